@@ -1,0 +1,19 @@
+"""collectives: hand-written all-reduce algorithms on mpi4py.
+
+``allreduce(buf, comm, op, algorithm)`` reduces a numpy array or torch tensor
+in place; :data:`ALGORITHMS` names the algorithms, each in its own module
+(``ring``, ``halving_doubling``, ``butterfly``, ``reduce_broadcast``) whose
+``allreduce(x, comm, reduction)`` kernel is public for composition, as are the
+ring's ``reduce_scatter`` and ``allgather``.
+"""
+
+from .api import ALGORITHMS, DEFAULT_ALGORITHM, allreduce
+from .buffers import DTYPES, FlatBuffer, as_flat
+from .errors import ArgumentError, CollectiveError
+from .ops import OPS, Reduction, reduction
+from .ring import allgather, reduce_scatter
+
+__all__ = [
+    "ALGORITHMS", "DEFAULT_ALGORITHM", "DTYPES", "OPS", "ArgumentError", "CollectiveError",
+    "FlatBuffer", "Reduction", "allgather", "allreduce", "as_flat", "reduce_scatter", "reduction",
+]

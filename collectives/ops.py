@@ -1,0 +1,99 @@
+"""Reduction operations: how two partial results combine, in place.
+
+A :class:`Reduction` combines ``src`` into ``dst`` elementwise without
+allocating (ufuncs with ``out=``). float16 is combined the way numpy and CuPy
+do it, each element computed in float32 and rounded once; bfloat16 (carried as
+uint16 bits) is combined through torch views of the same memory, again in
+float32 per element and rounded to nearest even. ``avg`` combines as ``sum``
+and divides once at the end (:meth:`Reduction.finalize`).
+
+Operand order is explicit (``src_first``) so that two ranks combining the same
+pair of partial results get bitwise-identical answers even for ops whose IEEE
+result depends on the order (``min(-0.0, 0.0)``, NaN payloads).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Callable
+
+import numpy as np
+
+from .buffers import FLOAT_DTYPES
+from .errors import ArgumentError
+
+#: Operation names every collective accepts.
+OPS = ("sum", "avg", "min", "max", "prod")
+
+_UFUNC_NAMES = {"sum": "add", "avg": "add", "min": "minimum", "max": "maximum", "prod": "multiply"}
+
+
+class Reduction:
+    """An op bound to a dtype and an array module (numpy or CuPy).
+
+    Attributes:
+        op: the op name, one of :data:`OPS`.
+        dtype: the logical dtype name.
+    """
+
+    def __init__(self, op: str, dtype: str, xp: Any = np) -> None:
+        self.op = op
+        self.dtype = dtype
+        if dtype == "bfloat16":
+            self._ufunc = _bfloat16_ufunc(_UFUNC_NAMES[op], xp)
+        else:
+            self._ufunc = getattr(xp, _UFUNC_NAMES[op])
+        self._divide = _bfloat16_ufunc("divide", xp) if dtype == "bfloat16" else xp.divide
+
+    def combine(self, dst: Any, src: Any, src_first: bool = False) -> None:
+        """Set ``dst <- op(dst, src)`` (or ``op(src, dst)`` if ``src_first``) in place."""
+        if src_first:
+            self._ufunc(src, dst, out=dst)
+        else:
+            self._ufunc(dst, src, out=dst)
+
+    def finalize(self, buf: Any, nranks: int) -> None:
+        """Finish the reduction of ``nranks`` contributions in ``buf``: divide for avg."""
+        if self.op == "avg" and nranks > 1:
+            self._divide(buf, nranks, out=buf)
+
+
+@lru_cache(maxsize=None)
+def reduction(op: str, dtype: str, xp: Any = np) -> Reduction:
+    """The cached :class:`Reduction` for ``op`` on ``dtype`` with array module ``xp``.
+
+    Raises:
+        ArgumentError: unknown op, or ``avg`` on an integer dtype.
+    """
+    if op not in OPS:
+        raise ArgumentError(f"unknown op {op!r}; valid ops: {', '.join(OPS)}")
+    if op == "avg" and dtype not in FLOAT_DTYPES:
+        raise ArgumentError(
+            f"op 'avg' on integer dtype {dtype} would truncate; reduce with 'sum' "
+            "and divide, or use a floating-point buffer"
+        )
+    return Reduction(op, dtype, xp)
+
+
+def _bfloat16_ufunc(name: str, xp: Any) -> Callable[..., None]:
+    """A ufunc-like callable on uint16 arrays holding bfloat16 bits.
+
+    The arrays are viewed as torch bfloat16 tensors (no copy) and combined with
+    the torch op of the same name; torch computes each element in float32 and
+    rounds to nearest even. The second operand may be a Python scalar.
+    """
+    import torch
+
+    op = getattr(torch, {"add": "add", "minimum": "minimum", "maximum": "maximum",
+                         "multiply": "mul", "divide": "div"}[name])
+    if xp is np:
+        def view(a: Any) -> Any:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        def view(a: Any) -> Any:
+            return torch.as_tensor(a.view(xp.int16), device="cuda").view(torch.bfloat16)
+
+    def apply(a: Any, b: Any, out: Any) -> None:
+        op(view(a), b if isinstance(b, (int, float)) else view(b), out=view(out))
+
+    return apply

@@ -1,0 +1,21 @@
+"""mpidl: MPI toolkit for data-parallel deep learning.
+
+The face of the toolkit: :func:`init`, the public API of :mod:`collectives`
+re-exported, and the ``mpidl`` command (``python -m mpidl``).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from collectives import (  # noqa: E402  (re-exported public API)
+    ALGORITHMS,
+    OPS,
+    ArgumentError,
+    CollectiveError,
+    allreduce,
+)
+
+from .runtime import init  # noqa: E402
+
+__all__ = ["ALGORITHMS", "OPS", "ArgumentError", "CollectiveError", "allreduce", "init", "__version__"]

@@ -1,0 +1,34 @@
+"""mpidl: hand-written MPI all-reduce collectives and decentralized SGD."""
+
+from setuptools import find_packages, setup
+
+TEST = ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1"]
+
+setup(
+    name="mpidl",
+    version="0.1.0",
+    description=(
+        "MPI toolkit for data-parallel deep learning: hand-written all-reduce "
+        "collectives on mpi4py and decentralized SGD algorithms"
+    ),
+    long_description=open("README.rst", encoding="utf-8").read(),
+    long_description_content_type="text/x-rst",
+    license="BSD-3-Clause",
+    python_requires=">=3.9",
+    packages=find_packages(include=["mpidl", "mpidl.*", "collectives", "collectives.*",
+                                    "algorithms", "algorithms.*"]),
+    install_requires=["mpi4py>=3.1", "numpy>=1.22"],
+    extras_require={
+        # The MPI library itself, for machines without a system MPI (laptops, CI).
+        "mpich": ["mpich"],
+        "test": TEST,
+        "torch": ["torch>=2.1"],
+        "cupy": ["cupy-cuda12x"],
+    },
+    entry_points={"console_scripts": ["mpidl = mpidl.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: System :: Distributed Computing",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
