@@ -58,7 +58,7 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
     if validation.enabled(validate):
         signature = (0, 0, 0, 0, 0) if problem else (
             flat.size, DTYPES.index(flat.dtype), validation.code(op), validation.code(algorithm), 0)
-        validation.check(ctx, f"allreduce(op={op!r}, algorithm={algorithm!r})", problem, signature,
+        validation.check(ctx, "allreduce", problem, signature,
                          ({}, _DTYPE_NAMES, _OP_NAMES, {validation.code(a): a for a in ALGORITHMS}))
     elif problem:
         raise problem

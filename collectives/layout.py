@@ -1,0 +1,104 @@
+"""Which ranks share a node.
+
+By default the layout comes from ``comm.Split_type(MPI.COMM_TYPE_SHARED)``:
+ranks that can share memory are on one node. It can be overridden to emulate
+nodes on one machine — an explicit ``ranks_per_node`` argument, or the
+``MPIDL_RANKS_PER_NODE`` environment variable — as one number (nodes of that
+many consecutive ranks, the last possibly smaller) or a comma-separated list
+of node sizes ("3,1"). Nodes are numbered by their lowest rank.
+
+The detected layout is computed once per communicator and cached on its
+:class:`~collectives.context.Context`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from mpi4py import MPI
+
+from .context import context
+from .errors import ArgumentError
+
+RanksPerNode = Union[int, str, Sequence[int], None]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Node membership of every rank of a communicator.
+
+    Attributes:
+        node_of: the node index of each rank (nodes numbered by lowest rank).
+    """
+
+    node_of: tuple[int, ...]
+
+    @property
+    def nodes(self) -> int:
+        """Number of nodes."""
+        return max(self.node_of) + 1
+
+    @property
+    def ranks_per_node(self) -> tuple[int, ...]:
+        """Number of ranks on each node."""
+        return tuple(self.node_of.count(i) for i in range(self.nodes))
+
+    def members(self, node: int) -> tuple[int, ...]:
+        """The ranks on ``node``, ascending."""
+        return tuple(r for r, n in enumerate(self.node_of) if n == node)
+
+    def __str__(self) -> str:
+        return f"{self.nodes} node(s) x ranks {'+'.join(map(str, self.ranks_per_node))}"
+
+
+def layout(comm: MPI.Comm, ranks_per_node: RanksPerNode = None) -> Layout:
+    """The node layout of ``comm`` (collective on first use without an override).
+
+    Args:
+        comm: the communicator.
+        ranks_per_node: an override (see module docstring); None reads
+            ``MPIDL_RANKS_PER_NODE`` and otherwise detects the real layout.
+
+    Raises:
+        ArgumentError: the override is malformed or does not add up to the
+            communicator size.
+    """
+    size = comm.Get_size()
+    spec = ranks_per_node if ranks_per_node is not None else os.environ.get("MPIDL_RANKS_PER_NODE") or None
+    if spec is not None:
+        return _emulated(spec, size)
+    ctx = context(comm)
+    found = ctx.cache.get("layout")
+    if found is None:
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        leader = comm.allgather(node.allreduce(comm.Get_rank(), op=MPI.MIN))
+        node.Free()
+        firsts = sorted(set(leader))
+        found = ctx.cache["layout"] = Layout(tuple(firsts.index(x) for x in leader))
+    return found
+
+
+def _emulated(spec: RanksPerNode, size: int) -> Layout:
+    try:
+        if isinstance(spec, str):
+            parts = [int(p) for p in spec.replace("+", ",").split(",") if p.strip()]
+            counts = _uniform(parts[0], size) if len(parts) == 1 else parts
+        elif isinstance(spec, int):
+            counts = _uniform(spec, size)
+        else:
+            counts = [int(c) for c in spec]
+    except (ValueError, IndexError):
+        counts = []
+    if not counts or min(counts) < 1 or sum(counts) != size:
+        raise ArgumentError(
+            f"invalid ranks-per-node layout {spec!r} for {size} rank(s): give one positive "
+            f"number (nodes of that many consecutive ranks) or node sizes adding up to {size}")
+    return Layout(tuple(i for i, c in enumerate(counts) for _ in range(c)))
+
+
+def _uniform(per_node: int, size: int) -> list[int]:
+    if per_node < 1:
+        raise ValueError(per_node)
+    return [min(per_node, size - start) for start in range(0, size, per_node)]

@@ -1,0 +1,32 @@
+"""The ``mpidl`` command: ``mpidl info | bench | train``.
+
+Run it under the MPI launcher, e.g. ``mpiexec -n 2 mpidl info``; rank 0
+prints, every rank takes part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from . import info
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``mpidl`` command and its subcommands."""
+    parser = argparse.ArgumentParser(prog="mpidl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("info", help="report the MPI library, thread level, ranks and node layout")
+    p.set_defaults(run=info.main)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``mpidl`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The all-reduce correctness matrix: algorithm x op x dtype x length.
+
+Used by the pytest suite on communicators of 1..4 ranks and, as a script, under
+a separate ``mpiexec`` for 5..8 ranks::
+
+    mpiexec -n 6 python tests/allreduce_matrix.py [--algorithms ring,butterfly]
+
+Inputs differ per rank (identical inputs hide bugs). Integer results must equal
+``MPI_Allreduce`` exactly; float results equal a float64 reference within the
+dtype's rounding; every rank must end with bitwise-identical bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Iterable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+
+INT_DTYPES = ("int32", "int64")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-6, "float64": 1e-14}
+MPI_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+
+
+def lengths_for(n: int) -> list[int]:
+    """Lengths worth testing on n ranks: empty, one, fewer than n, around n, odd, larger."""
+    return sorted({0, 1, max(n - 1, 1), n, n + 1, 2 * n + 3, 31, 257})
+
+
+def rank_input(rank: int, length: int, op: str) -> np.ndarray:
+    """float64 values, exact in every tested dtype, that differ per rank."""
+    i = np.arange(length)
+    v = ((i * 7 + rank * 13 + 5) % 9) - 4.0
+    if op == "prod":  # keep products exact in float16 and in range for int32
+        v = np.where(v == 0, 1.0, np.sign(v) * (1 + (np.abs(v) > 2)))
+    elif op in ("min", "max"):
+        v = v + 0.25 * rank
+    return v
+
+
+def make_buffer(values: np.ndarray, dtype: str):
+    """A buffer of ``dtype`` holding ``values`` (a torch tensor for bfloat16)."""
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16)
+    return values.astype(dtype)
+
+
+def as_float64(buf) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        return buf.astype(np.float64)
+    return buf.float().numpy().astype(np.float64)
+
+
+def raw_bytes(buf) -> bytes:
+    return collectives.as_flat(buf).data.tobytes()
+
+
+def available_dtypes() -> list[str]:
+    """Every supported dtype; bfloat16 only where torch is installed."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return [d for d in collectives.DTYPES if d != "bfloat16"]
+    return list(collectives.DTYPES)
+
+
+def check(comm: MPI.Comm, algorithms: Iterable[str], dtypes: Iterable[str],
+          ops: Iterable[str] = collectives.OPS, lengths: Sequence[int] | None = None) -> list[str]:
+    """Run the matrix on ``comm``; return this rank's failure messages (collective)."""
+    failures: list[str] = []
+    n, rank = comm.Get_size(), comm.Get_rank()
+    for algorithm in algorithms:
+        for dtype in dtypes:
+            for op in ops:
+                if op == "avg" and dtype in INT_DTYPES:
+                    continue
+                for length in lengths or lengths_for(n):
+                    failures += _one(comm, algorithm, dtype, op, length, n, rank)
+    return failures
+
+
+def _one(comm: MPI.Comm, algorithm: str, dtype: str, op: str, length: int, n: int, rank: int) -> list[str]:
+    case = f"{algorithm} {op} {dtype} n={n} len={length}"
+    mine = rank_input(rank, length, op)
+    buf = make_buffer(mine, dtype)
+    everyone = np.array(comm.allgather(mine)).reshape(n, length)
+    out = collectives.allreduce(buf, comm, op=op, algorithm=algorithm)
+    got = as_float64(buf)
+    agree = len(set(comm.allgather(raw_bytes(buf)))) == 1
+    problems = [] if out is buf else [f"{case}: did not return the caller's buffer"]
+    if not agree:
+        problems.append(f"{case}: ranks disagree bitwise")
+    if dtype in INT_DTYPES:
+        ref = mine.astype(dtype)
+        comm.Allreduce(MPI.IN_PLACE, ref, op=MPI_OPS[op])
+        if not np.array_equal(buf, ref):
+            problems.append(f"{case}: {buf.tolist()} != MPI_Allreduce {ref.tolist()}")
+    else:
+        ref = {"sum": np.sum, "avg": np.mean, "min": np.min, "max": np.max, "prod": np.prod}[op](everyone, axis=0)
+        if not np.allclose(got, ref, rtol=RTOL[dtype], atol=RTOL[dtype]):
+            problems.append(f"{case}: {got.tolist()} != reference {ref.tolist()}")
+    return problems
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--algorithms", default=",".join(collectives.ALGORITHMS))
+    args = parser.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    failures = check(comm, args.algorithms.split(","), available_dtypes())
+    everyone = [f"rank {r}: {f}" for r, fs in enumerate(comm.gather(failures) or []) for f in fs]
+    if comm.Get_rank() == 0:
+        print("\n".join(everyone[:50]) or f"all-reduce matrix passed on {comm.Get_size()} ranks")
+    return int(bool(comm.bcast(everyone)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""All-reduce correctness: every algorithm x op x dtype x length on 1..8 ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives
+from allreduce_matrix import available_dtypes, check
+from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("algorithm", list(collectives.ALGORITHMS))
+def test_matrix_small_communicators(algorithm: str, size: int) -> None:
+    comm = comm_of_size(size)
+    failures = gather_failures(comm, check(comm, [algorithm], available_dtypes()))
+    assert all_ok(MPI.COMM_WORLD, not failures), "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("size", [5, 6, 7, 8])
+def test_matrix_large_communicators(size: int) -> None:
+    """5..8 ranks do not fit the test launch: run the matrix under its own mpiexec."""
+    proc = on_rank0_quietly(mpiexec, size, ["tests/allreduce_matrix.py"], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def test_torch_tensor_any_shape_in_place() -> None:
+    torch = pytest.importorskip("torch")
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    weight = torch.nn.Parameter(torch.full((3, 5), float(r + 1)))  # requires grad, like a model's
+    out = collectives.allreduce(weight, comm, op="avg")
+    expected = (n + 1) / 2
+    assert out is weight
+    assert all_ok(comm, bool(torch.all(weight.detach() == expected)))
+
+
+def test_bfloat16_rounds_once_per_combine() -> None:
+    """bfloat16 sums are computed in float32 and rounded to nearest even per step."""
+    torch = pytest.importorskip("torch")
+    comm = comm_of_size(2)  # a lone last rank gets a communicator of one
+    inputs = [[1.0, 256.0, 3.0], [2.0 ** -8, 1.0, 2.0 ** -7]][: comm.Get_size()]
+    parts = [torch.tensor(v, dtype=torch.bfloat16) for v in inputs]
+    expected = sum(p.float() for p in parts).to(torch.bfloat16)  # 1+2^-8 ties to 1, 3+2^-7 to 3
+    x = parts[comm.Get_rank()].clone()
+    collectives.allreduce(x, comm, algorithm="butterfly")
+    assert all_ok(MPI.COMM_WORLD, bool(torch.equal(x, expected)))
+
+
+@pytest.mark.parametrize("algorithm", list(collectives.ALGORITHMS))
+def test_signed_zero_and_nan_agree_bitwise(algorithm: str) -> None:
+    """Order-sensitive IEEE cases (min of -0.0 and 0.0, NaN payloads) agree on all ranks."""
+    comm = MPI.COMM_WORLD
+    r = comm.Get_rank()
+    x = np.array([0.0 if r % 2 else -0.0, np.nan if r == 0 else 1.0, -np.nan if r == 1 else 2.0])
+    collectives.allreduce(x, comm, op="min", algorithm=algorithm)
+    assert all_ok(comm, len(set(comm.allgather(x.tobytes()))) == 1)
+    assert all_ok(comm, bool(x[0] == 0.0) and (bool(np.isnan(x[1])) or comm.Get_size() == 1))
+
+
+def test_scratch_reused_across_calls() -> None:
+    """The hot loop keeps one receive buffer per dtype, reused by later calls."""
+    from collectives.scratch import scratch
+
+    comm = MPI.COMM_WORLD
+    collectives.allreduce(np.ones(1000, np.float32), comm, algorithm="butterfly")
+    first = scratch(np.empty(0, np.float32), 10)
+    collectives.allreduce(np.ones(500, np.float32), comm, algorithm="butterfly")
+    again = scratch(np.empty(0, np.float32), 10)
+    assert np.shares_memory(first, again)
+
+
+def test_user_messages_do_not_mix_with_collective_messages() -> None:
+    """Collectives use a private communicator: a pending user message is not consumed."""
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    req = comm.isend(("user", r), dest=(r + 1) % n, tag=0x6D70)
+    x = np.full(8, r, dtype=np.int64)
+    collectives.allreduce(x, comm, algorithm="ring")
+    got = comm.recv(source=(r - 1) % n, tag=0x6D70)
+    req.wait()
+    assert all_ok(comm, got == ("user", (r - 1) % n) and bool(np.all(x == n * (n - 1) // 2)))

@@ -1,0 +1,117 @@
+"""Bad input: the same clear error on every rank, no hang, buffer untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives
+from collectives import ArgumentError
+from mpitest import all_ok
+
+pytestmark = pytest.mark.mpi
+
+
+def expect_same_error(call, *match: str) -> ArgumentError:
+    """Run ``call``; every rank must raise ArgumentError with identical text containing ``match``."""
+    comm = MPI.COMM_WORLD
+    with pytest.raises(ArgumentError) as info:
+        call()
+    text = str(info.value)
+    assert all_ok(comm, len(set(comm.allgather(text))) == 1 and all(m in text for m in match)), text
+    return info.value
+
+
+def one_rank_differs(good, bad):
+    """``bad`` on the last rank, ``good`` elsewhere (a single-rank world gets ``bad``)."""
+    comm = MPI.COMM_WORLD
+    return bad if comm.Get_rank() == comm.Get_size() - 1 else good
+
+
+@pytest.mark.parametrize("algorithm", list(collectives.ALGORITHMS))
+def test_length_mismatch_raises_everywhere_and_leaves_buffer(algorithm: str) -> None:
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        pytest.skip("needs two ranks")
+    x = np.arange(one_rank_differs(6, 5), dtype=np.float32) + comm.Get_rank()
+    before = x.copy()
+    err = expect_same_error(lambda: collectives.allreduce(x, algorithm=algorithm), "length differs", "no data moved")
+    assert err.ranks == (comm.Get_size() - 1,) or comm.Get_size() == 2
+    assert np.array_equal(x, before)
+
+
+def test_dtype_mismatch() -> None:
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        pytest.skip("needs two ranks")
+    x = np.ones(4, dtype=one_rank_differs("float32", "float64"))
+    expect_same_error(lambda: collectives.allreduce(x), "dtype differs", "float32", "float64")
+
+
+def test_op_mismatch() -> None:
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        pytest.skip("needs two ranks")
+    expect_same_error(lambda: collectives.allreduce(np.ones(4), op=one_rank_differs("sum", "max")),
+                      "op differs", "rank 0: sum", "max)")
+
+
+@pytest.mark.parametrize("case, bad, match", [
+    ("non-contiguous", lambda: np.arange(8.0)[::2], "not C-contiguous"),
+    ("read-only", lambda: np.frombuffer(bytes(32), dtype=np.float64), "read-only"),
+    ("unsupported dtype", lambda: np.zeros(4, dtype=np.uint8), "unsupported dtype uint8"),
+    ("complex", lambda: np.zeros(4, dtype=np.complex64), "supported: float16, bfloat16"),
+    ("byte order", lambda: np.zeros(4, dtype=">f8"), "byte order"),
+    ("type", lambda: [1.0, 2.0, 3.0, 4.0], "unsupported buffer type builtins.list"),
+])
+def test_bad_buffer_on_one_rank_reported_on_all(case: str, bad, match: str) -> None:
+    comm = MPI.COMM_WORLD
+    x = one_rank_differs(np.arange(4.0), bad())
+    before = np.array(x, copy=True)
+    err = expect_same_error(lambda: collectives.allreduce(x), match, f"rank {comm.Get_size() - 1}")
+    assert err.ranks == (comm.Get_size() - 1,)
+    assert np.array_equal(np.asarray(x), before)
+
+
+def test_unknown_op_lists_valid_ops() -> None:
+    expect_same_error(lambda: collectives.allreduce(np.ones(3), op="mean"),
+                      "unknown op 'mean'", "sum, avg, min, max, prod")
+
+
+def test_unknown_algorithm_lists_valid_algorithms() -> None:
+    expect_same_error(lambda: collectives.allreduce(np.ones(3), algorithm="tree"),
+                      "unknown algorithm 'tree'", *collectives.ALGORITHMS)
+
+
+def test_avg_on_integers_is_an_error() -> None:
+    expect_same_error(lambda: collectives.allreduce(np.ones(3, np.int32), op="avg"), "'avg' on integer dtype int32")
+
+
+def test_validation_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """validate=False and MPIDL_VALIDATE=0 skip the cross-rank check; local errors still raise locally."""
+    from collectives import validation
+
+    def boom(*args, **kwargs):
+        raise AssertionError("validation ran")
+
+    monkeypatch.setattr(validation, "check", boom)
+    comm = MPI.COMM_WORLD
+    x = np.ones(5)
+    collectives.allreduce(x, validate=False)
+    monkeypatch.setenv("MPIDL_VALIDATE", "0")
+    collectives.allreduce(x)
+    with pytest.raises(ArgumentError, match="unknown op"):
+        collectives.allreduce(x, op="bogus")
+    assert all_ok(comm, bool(np.all(x == comm.Get_size() ** 2)))
+
+
+def test_collectives_work_after_errors() -> None:
+    """A rejected call leaves no stray messages behind."""
+    comm = MPI.COMM_WORLD
+    with pytest.raises(ArgumentError):
+        collectives.allreduce(np.ones(one_rank_differs(3, 4)) if comm.Get_size() > 1 else np.ones(3), op="nope")
+    x = np.full(7, comm.Get_rank(), dtype=np.int64)
+    collectives.allreduce(x, algorithm="halving_doubling")
+    n = comm.Get_size()
+    assert all_ok(comm, bool(np.all(x == n * (n - 1) // 2)))
