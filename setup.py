@@ -17,11 +17,12 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["mpidl", "mpidl.*", "collectives", "collectives.*",
                                     "algorithms", "algorithms.*"]),
-    install_requires=["mpi4py>=3.1", "numpy>=1.22"],
+    install_requires=["mpi4py>=3.1", "numpy>=1.22", "tqdm>=4"],
     extras_require={
         # The MPI library itself, for machines without a system MPI (laptops, CI).
         "mpich": ["mpich"],
         "test": TEST,
+        "plot": ["matplotlib>=3.5"],
         "torch": ["torch>=2.1"],
         "cupy": ["cupy-cuda12x"],
     },

@@ -26,8 +26,6 @@ ALGORITHMS: dict[str, Kernel] = {
 
 DEFAULT_ALGORITHM = "ring"
 
-_DTYPE_NAMES = dict(enumerate(DTYPES))
-_OP_NAMES = {validation.code(op): op for op in OPS}
 
 
 def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
@@ -58,14 +56,19 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
     if validation.enabled(validate):
         signature = (0, 0, 0, 0, 0) if problem else (
             flat.size, DTYPES.index(flat.dtype), validation.code(op), validation.code(algorithm), 0)
-        validation.check(ctx, "allreduce", problem, signature,
-                         ({}, _DTYPE_NAMES, _OP_NAMES, {validation.code(a): a for a in ALGORITHMS}))
+        validation.check(ctx, "allreduce", problem, signature, _field_names)
     elif problem:
         raise problem
     if flat.size:
         kernel(flat.data, ctx.comm, red)
         red.finalize(flat.data, ctx.size)
     return buf
+
+
+def _field_names() -> tuple[dict[int, str], ...]:
+    """Readable names of the signature codes, for error messages."""
+    return ({}, dict(enumerate(DTYPES)), {validation.code(op): op for op in OPS},
+            {validation.code(a): a for a in ALGORITHMS})
 
 
 def _prepare(buf: Any, op: str, algorithm: str) -> tuple[FlatBuffer, Reduction, Kernel, Optional[ArgumentError]]:

@@ -27,6 +27,7 @@ from .errors import ArgumentError
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
 NUMPY_DTYPES = tuple(name for name in DTYPES if name != "bfloat16")
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+_NUMPY_NAMES = {np.dtype(name): name for name in NUMPY_DTYPES}  # dtype.name is slow to compute
 
 #: Adapters for device buffers, tried in order after numpy and CPU torch. Each
 #: takes the caller's object and returns a FlatBuffer, or None if the object is
@@ -101,12 +102,15 @@ def check_layout(contiguous: bool, writable: bool, what: str) -> None:
 
 
 def _from_numpy(arr: np.ndarray, owner: Any) -> FlatBuffer:
-    what = f"numpy array (dtype {arr.dtype}, shape {arr.shape})"
-    if not arr.dtype.isnative:
-        raise ArgumentError(f"{what} has non-native byte order; convert it with .astype(dtype.newbyteorder('='))")
-    check_dtype(arr.dtype.name, what)
-    check_layout(arr.flags.c_contiguous, arr.flags.writeable, what)
-    return FlatBuffer(arr.reshape(-1), arr.dtype.name, owner)
+    name = _NUMPY_NAMES.get(arr.dtype)
+    flags = arr.flags
+    if name is None or not flags.c_contiguous or not flags.writeable:
+        what = f"numpy array (dtype {arr.dtype}, shape {arr.shape})"
+        if not arr.dtype.isnative:
+            raise ArgumentError(f"{what} has non-native byte order; convert it with .astype(dtype.newbyteorder('='))")
+        check_dtype(arr.dtype.name, what)
+        check_layout(flags.c_contiguous, flags.writeable, what)
+    return FlatBuffer(arr.reshape(-1), name, owner)
 
 
 def _from_cpu_tensor(t: Any) -> FlatBuffer:

@@ -10,7 +10,8 @@ buffer is untouched. A local problem (read-only buffer, unknown op) on one
 rank is reported on all.
 
 The check costs one small all-gather per call. It is on by default; pass
-``validate=False`` or set ``MPIDL_VALIDATE=0`` to skip it, after which a
+``validate=False``, call :func:`set_default`, or set ``MPIDL_VALIDATE=0``
+before start-up to skip it, after which a
 disagreement is undefined behaviour (an MPI error, a hang or a wrong result).
 """
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Optional, Sequence
+from functools import lru_cache
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -31,39 +33,63 @@ FIELDS = ("error", "length", "dtype", "op", "algorithm", "options")
 _FALSE = {"0", "false", "no", "off"}
 
 
+_default = os.environ.get("MPIDL_VALIDATE", "1").strip().lower() not in _FALSE
+
+
 def enabled(validate: Optional[bool]) -> bool:
-    """Resolve a ``validate=`` argument: None means ``MPIDL_VALIDATE`` (default on)."""
-    if validate is None:
-        return os.environ.get("MPIDL_VALIDATE", "1").strip().lower() not in _FALSE
-    return bool(validate)
+    """Resolve a ``validate=`` argument; None means the default (see :func:`set_default`)."""
+    return _default if validate is None else bool(validate)
 
 
+def set_default(validate: bool) -> None:
+    """Set the default for ``validate=None``.
+
+    The initial default is on unless ``MPIDL_VALIDATE`` is 0/false/no/off when
+    :mod:`collectives` is imported (reading the environment on every call
+    would cost microseconds).
+    """
+    global _default
+    _default = bool(validate)
+
+
+@lru_cache(maxsize=1024)
 def code(name: str) -> int:
     """A stable integer code for a name (op, algorithm, option string)."""
     return zlib.crc32(name.encode())
 
 
 def check(ctx: Context, what: str, problem: Optional[ArgumentError], signature: Sequence[int],
-          names: Sequence[dict[int, str]] = ()) -> None:
+          names: Callable[[], Sequence[dict[int, str]]] = tuple) -> None:
     """Raise the same ArgumentError on every rank unless all agree and none has a problem.
 
     Args:
         ctx: the communicator's context; collective over ``ctx.comm``.
-        what: the operation, for the message (e.g. ``"allreduce(algorithm='ring')"``).
+        what: the operation, for the message; must be the same on every rank.
         problem: this rank's local argument error, if any.
         signature: ints for FIELDS[1:] (ignored where ``problem`` is set).
-        names: per field after "error", a map from code to a readable name.
+        names: called only to word an error: per field after "error", a map
+            from code to a readable name.
     """
     mine, table = ctx.cache.get("validation", (None, None))
     if mine is None:
-        mine = np.zeros((1, len(FIELDS)), dtype=np.int64)
+        mine = np.zeros(len(FIELDS), dtype=np.int64)
         table = np.zeros((ctx.size, len(FIELDS)), dtype=np.int64)
         ctx.cache["validation"] = (mine, table)
-    mine[0, 0] = problem is not None
-    mine[0, 1:] = 0 if problem is not None else signature
+    if problem is None:
+        mine[0] = 0
+        mine[1:] = signature
+    else:
+        mine[:] = 0
+        mine[0] = 1
     ctx.comm.Allgather(mine, table)
-    if not table[:, 0].any() and (table == table[0]).all():
+    if problem is None and table.tobytes() == mine.tobytes() * ctx.size:
         return
+    _raise(ctx, what, problem, table, names())
+
+
+def _raise(ctx: Context, what: str, problem: Optional[ArgumentError], table: np.ndarray,
+           names: Sequence[dict[int, str]]) -> None:
+    """Word and raise the error every rank raises alike (collective when a rank has a problem)."""
     if table[:, 0].any():
         messages = ctx.comm.allgather(None if problem is None else str(problem))
         bad = [r for r, m in enumerate(messages) if m is not None]
@@ -76,8 +102,7 @@ def check(ctx: Context, what: str, problem: Optional[ArgumentError], signature: 
             lookup = names[f - 1] if f - 1 < len(names) else {}
             values = ", ".join(f"rank {r}: {lookup.get(int(v), int(v))}" for r, v in enumerate(column))
             diffs.append(f"{FIELDS[f]} differs across ranks ({values})")
-    odd = _minority(table[:, 1:])
-    raise ArgumentError(f"{what}: ranks disagree: {'; '.join(diffs)} (no data moved)", odd)
+    raise ArgumentError(f"{what}: ranks disagree: {'; '.join(diffs)} (no data moved)", _minority(table[:, 1:]))
 
 
 def _minority(rows: np.ndarray) -> list[int]:

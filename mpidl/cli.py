@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from . import info
+from . import bench, info
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("info", help="report the MPI library, thread level, ranks and node layout")
     p.set_defaults(run=info.main)
+    p = sub.add_parser("bench", help="time the all-reduce algorithms against native MPI_Allreduce",
+                       description=bench.__doc__.split("\n\n")[0])
+    bench.add_arguments(p)
+    p.set_defaults(run=bench.main)
     return parser
 
 

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError
-from mpitest import all_ok
+from mpitest import all_ok, mpiexec, on_rank0_quietly
 
 pytestmark = pytest.mark.mpi
 
@@ -89,7 +89,7 @@ def test_avg_on_integers_is_an_error() -> None:
 
 
 def test_validation_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """validate=False and MPIDL_VALIDATE=0 skip the cross-rank check; local errors still raise locally."""
+    """validate=False and set_default(False) skip the cross-rank check; local errors still raise locally."""
     from collectives import validation
 
     def boom(*args, **kwargs):
@@ -99,11 +99,18 @@ def test_validation_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None
     comm = MPI.COMM_WORLD
     x = np.ones(5)
     collectives.allreduce(x, validate=False)
-    monkeypatch.setenv("MPIDL_VALIDATE", "0")
+    monkeypatch.setattr(validation, "_default", True)
+    validation.set_default(False)
     collectives.allreduce(x)
     with pytest.raises(ArgumentError, match="unknown op"):
         collectives.allreduce(x, op="bogus")
     assert all_ok(comm, bool(np.all(x == comm.Get_size() ** 2)))
+
+
+def test_environment_variable_switches_validation_off() -> None:
+    code = "from collectives import validation; assert validation.enabled(None) is False"
+    proc = on_rank0_quietly(mpiexec, 1, ["-c", code], env={"MPIDL_VALIDATE": "0"})
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_collectives_work_after_errors() -> None:

@@ -1,0 +1,256 @@
+"""``mpidl bench``: all-reduce algorithms against native ``MPI_Allreduce``, in one run.
+
+For every size and every candidate — native ``MPI_Allreduce`` out of place and
+with ``MPI_IN_PLACE``, and each of mpidl's algorithms — the sweep times
+batches of calls after a warm-up. A batch starts at a barrier and its time is
+the slowest rank's; candidates take turns within each repetition (so slow
+drift of a noisy machine hits all of them alike) and each reports the median
+over repetitions. "vs native" is native's time (the faster native variant)
+divided by the candidate's: above 1 the candidate is faster.
+
+Native MPICH allocates a temporary buffer per large call, so its time depends
+on malloc: the run reports ``GLIBC_TUNABLES`` as found, and ``--tuned-malloc``
+also times native after ``mallopt`` keeps freed memory mapped
+(M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 1 GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+import collectives
+
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+@dataclass
+class Result:
+    """One candidate at one size (times in seconds, bandwidths in bytes/s)."""
+
+    size: int
+    algorithm: str
+    time: float
+    algbw: float
+    busbw: float
+    vs_native: float
+
+
+def parse_size(text: str) -> int:
+    """Parse "4K", "16MiB", "1048576" into bytes."""
+    t = text.strip().upper()
+    digits = t.rstrip("KMGIB")
+    unit = t[len(digits):]
+    if not digits.isdigit() or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4K, 16M, 1G or a byte count")
+    return int(digits) * _UNITS[unit]
+
+
+def human(nbytes: int) -> str:
+    """4096 -> '4 KiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``mpidl bench`` options."""
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated message sizes (default {DEFAULT_SIZES})")
+    p.add_argument("--algorithms", default="all", help="comma-separated algorithm names, or 'all'")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "int32", "int64"])
+    p.add_argument("--repeat", type=int, default=11, help="timed repetitions per size (median reported)")
+    p.add_argument("--batch-time", type=float, default=0.01,
+                   help="seconds each timed batch aims for; small messages run many calls per batch")
+    p.add_argument("--no-validate", action="store_true", help="time mpidl without the cross-rank argument check")
+    p.add_argument("--tuned-malloc", action="store_true",
+                   help="also time native MPI_Allreduce with mallopt keeping freed memory (see above)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--csv", metavar="FILE", help="write the results as CSV")
+    p.add_argument("--plot", metavar="FILE.png", help="plot time vs size, one line per algorithm (needs matplotlib)")
+
+
+def candidates(names: Sequence[str], validate: bool) -> dict[str, Callable[[np.ndarray], None]]:
+    """Callables that all-reduce a buffer in place, by candidate name."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    out: dict[str, Callable[[np.ndarray], None]] = {}
+    recv: dict[int, np.ndarray] = {}
+
+    def native(x: np.ndarray) -> None:
+        r = recv.get(x.nbytes)
+        if r is None:
+            r = recv[x.nbytes] = np.empty_like(x)
+        comm.Allreduce(x, r)
+        x[...] = r  # the same contract as in place: the result ends in x
+
+    out["native"] = native
+    out["native_inplace"] = lambda x: comm.Allreduce(MPI.IN_PLACE, x)
+    for name in names:
+        out[name] = lambda x, name=name: collectives.allreduce(x, comm, "sum", name, validate=validate)
+    return out
+
+
+def run(sizes: Sequence[int], names: Sequence[str], dtype: str = "float32", repeat: int = 11,
+        batch_time: float = 0.01, validate: bool = True, tuned_malloc: bool = False,
+        progress: bool = True) -> list[Result]:
+    """Run the sweep (collective over COMM_WORLD) and return every rank the results."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    n = comm.Get_size()
+    fns = candidates(names, validate)
+    results: list[Result] = []
+    steps = [(size, phase) for size in sizes for phase in (["default", "tuned"] if tuned_malloc else ["default"])]
+    bar = _progress(len(steps), progress and comm.Get_rank() == 0)
+    for size, phase in steps:
+        _mallopt(phase == "tuned")
+        todo = {k: v for k, v in fns.items() if phase == "default" or k.startswith("native")}
+        label = (lambda k: k) if phase == "default" else (lambda k: f"{k}+mallopt")
+        x = np.zeros(size // np.dtype(dtype).itemsize, dtype=dtype)
+        iters = {k: _calibrate(comm, fn, x, batch_time) for k, fn in todo.items()}
+        samples: dict[str, list[float]] = {k: [] for k in todo}
+        for _ in range(repeat):
+            for k, fn in todo.items():
+                samples[k].append(_time_batch(comm, fn, x, iters[k]))
+        for k, s in samples.items():
+            t = statistics.median(s)
+            results.append(Result(size, label(k), t, size / t, size / t * 2 * (n - 1) / n if n > 1 else 0.0, 0.0))
+        bar.update(1)
+    bar.close()
+    _mallopt(False)
+    for r in results:
+        native = min(q.time for q in results if q.size == r.size and q.algorithm.startswith("native"))
+        r.vs_native = native / r.time
+    return results
+
+
+def _calibrate(comm, fn: Callable[[np.ndarray], None], x: np.ndarray, batch_time: float) -> int:
+    """Warm up, then choose (on every rank alike) how many calls make one batch."""
+    fn(x)
+    fn(x)
+    t = _time_batch(comm, fn, x, 1)
+    return max(1, min(10000, int(batch_time / max(t, 1e-7))))
+
+
+def _time_batch(comm, fn: Callable[[np.ndarray], None], x: np.ndarray, iters: int) -> float:
+    """Seconds per call over a barrier-aligned batch, the slowest rank's."""
+    from mpi4py import MPI
+
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn(x)
+    return comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
+
+
+def _mallopt(tuned: bool) -> None:
+    """Set glibc's mmap/trim thresholds (tuned) or put back its defaults."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, (32 << 20) if tuned else (128 << 10))
+    libc.mallopt(m_trim_threshold, (1 << 30) if tuned else (128 << 10))
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress(total: int, show: bool):
+    if not show:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="bench", unit="size", file=sys.stderr, leave=False)
+
+
+def table(results: Sequence[Result], nranks: int) -> str:
+    """The results as a text table, one block per size."""
+    lines = [f"{'size':>9}  {'algorithm':<24} {'time (us)':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} {'vs native':>9}"]
+    for size in sorted({r.size for r in results}):
+        for r in (q for q in results if q.size == size):
+            lines.append(f"{human(size):>9}  {r.algorithm:<24} {r.time * 1e6:11.1f} {r.algbw / 1e9:10.3f} "
+                         f"{r.busbw / 1e9:10.3f} {r.vs_native:9.2f}")
+    return "\n".join(lines)
+
+
+def write_outputs(results: Sequence[Result], args: argparse.Namespace, meta: dict) -> None:
+    """Write --json, --csv and --plot files."""
+    rows = [asdict(r) for r in results]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": rows}, f, indent=1)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    if args.plot:
+        plot(results, args.plot, meta)
+
+
+def plot(results: Sequence[Result], path: str, meta: dict) -> None:
+    """Time vs size on log-log axes, one line per algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r.algorithm for r in results):
+        pts = sorted((r.size, r.time) for r in results if r.algorithm == name)
+        ax.plot([p[0] for p in pts], [p[1] * 1e6 for p in pts], marker="o", label=name,
+                linestyle="--" if name.startswith("native") else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("time per all-reduce (us)")
+    ax.set_title(f"all-reduce, {meta['ranks']} ranks, {meta['dtype']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``mpidl bench`` with parsed ``args``; rank 0 prints and writes files."""
+    from mpi4py import MPI
+
+    from .runtime import init
+
+    comm = init()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    names = list(collectives.ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
+    unknown = [a for a in names if a not in collectives.ALGORITHMS]
+    if unknown:
+        if comm.Get_rank() == 0:
+            print(f"mpidl bench: unknown algorithm(s) {unknown}; valid: {', '.join(collectives.ALGORITHMS)}",
+                  file=sys.stderr)
+        return 2
+    results = run(sizes, names, args.dtype, args.repeat, args.batch_time, not args.no_validate, args.tuned_malloc)
+    if comm.Get_rank() == 0:
+        meta = {"ranks": comm.Get_size(), "dtype": args.dtype, "validate": not args.no_validate,
+                "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
+                "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split())}
+        print(f"# mpidl bench: {meta['ranks']} ranks, {meta['dtype']}, {meta['mpi']}, validation "
+              f"{'on' if meta['validate'] else 'off'}, GLIBC_TUNABLES={meta['GLIBC_TUNABLES'] or '(unset)'}")
+        print(table(results, comm.Get_size()))
+        write_outputs(results, args, meta)
+    return 0
