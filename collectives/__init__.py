@@ -2,12 +2,14 @@
 
 ``allreduce(buf, comm, op, algorithm)`` reduces a numpy array or torch tensor
 in place; :data:`ALGORITHMS` names the algorithms, each in its own module
-(``ring``, ``halving_doubling``, ``butterfly``, ``reduce_broadcast``) whose
-``allreduce(x, comm, reduction)`` kernel is public for composition, as are the
-ring's ``reduce_scatter`` and ``allgather``.
+(``ring``, ``halving_doubling``, ``butterfly``, ``reduce_broadcast``,
+``hierarchical_ring``, ``torus2d``) whose kernel is public for composition, as
+are the ring's ``reduce_scatter`` and ``allgather``; "auto" picks one with the
+cost model (:mod:`collectives.costmodel`), and :func:`explain` says which and
+why.
 """
 
-from .api import ALGORITHMS, DEFAULT_ALGORITHM, allreduce
+from .api import ALGORITHMS, DEFAULT_ALGORITHM, allreduce, explain
 from .buffers import DTYPES, FlatBuffer, as_flat
 from .errors import ArgumentError, CollectiveError
 from .ops import OPS, Reduction, reduction
@@ -15,5 +17,5 @@ from .ring import allgather, reduce_scatter
 
 __all__ = [
     "ALGORITHMS", "DEFAULT_ALGORITHM", "DTYPES", "OPS", "ArgumentError", "CollectiveError",
-    "FlatBuffer", "Reduction", "allgather", "allreduce", "as_flat", "reduce_scatter", "reduction",
+    "FlatBuffer", "Reduction", "allgather", "allreduce", "as_flat", "explain", "reduce_scatter", "reduction",
 ]

@@ -1,35 +1,104 @@
-"""The all-reduce entry point and the registry of algorithms."""
+"""The all-reduce entry point, the registry of algorithms, and ``auto``.
+
+A call resolves the caller's buffer, op and algorithm, checks them across
+ranks (:mod:`collectives.validation`), then runs a *plan*: the algorithm bound
+to the communicators it needs. Plans are built once per (communicator,
+algorithm, layout, grid) and cached, so sub-communicators are never created
+per call.
+"""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from mpi4py import MPI
 
-from . import butterfly, halving_doubling, reduce_broadcast, ring, validation
+from . import (butterfly, costmodel, halving_doubling, hierarchical_ring, hierarchy, reduce_broadcast,
+               ring, torus2d, validation)
 from .buffers import DTYPES, FlatBuffer, as_flat
-from .context import context
+from .context import Context, context
 from .errors import ArgumentError
+from .layout import RanksPerNode
+from .layout import layout as node_layout
 from .ops import OPS, Reduction, reduction
 
-#: An algorithm kernel: reduces a non-empty 1-D array in place across a
-#: communicator with a Reduction (``avg`` is finished by the caller).
-Kernel = Callable[[Any, MPI.Comm, Reduction], None]
+log = logging.getLogger("collectives.auto")
 
-#: Registered all-reduce algorithms by name.
-ALGORITHMS: dict[str, Kernel] = {
-    "ring": ring.allreduce,
-    "halving_doubling": halving_doubling.allreduce,
-    "butterfly": butterfly.allreduce,
-    "reduce_broadcast": reduce_broadcast.allreduce,
+#: A flat algorithm kernel: reduces a non-empty 1-D array in place across a
+#: communicator (``avg`` is finished by the caller).
+Kernel = Callable[[Any, MPI.Comm, Reduction], None]
+#: A plan: an algorithm bound to its communicators; reduces (x, reduction).
+Run = Callable[[Any, Reduction], None]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a planner needs: the caller's communicator and the topology options."""
+
+    comm: MPI.Comm
+    ctx: Context
+    layout: RanksPerNode
+    grid: Optional[tuple[int, int]]
+
+
+Planner = Callable[[Request], Run]
+
+
+def _flat(kernel: Kernel) -> Planner:
+    def plan(req: Request) -> Run:
+        comm = req.ctx.comm
+        return lambda x, red: kernel(x, comm, red)
+    return plan
+
+
+def _plan_hierarchical_ring(req: Request) -> Run:
+    node, leaders = hierarchy.node_comms(req.ctx, node_layout(req.comm, req.layout))
+    return lambda x, red: hierarchical_ring.allreduce(x, node, leaders, red)
+
+
+def _plan_torus2d(req: Request) -> Run:
+    lay = node_layout(req.comm, req.layout)
+    grid = hierarchy.check_grid(req.grid, req.ctx.size) if req.grid is not None else hierarchy.default_grid(lay)
+    row, col = hierarchy.grid_comms(req.ctx, grid, lay)
+    return lambda x, red: torus2d.allreduce(x, row, col, red)
+
+
+def _plan_auto(req: Request) -> Run:
+    lay = node_layout(req.comm, req.layout)
+    prm = costmodel.params_for(req.comm, lay, req.ctx.cache)
+    runs = {name: ALGORITHMS[name](req) for name in costmodel.MODELS}
+    chosen: dict[int, Run] = {}
+
+    def run(x: Any, red: Reduction) -> None:
+        go = chosen.get(x.nbytes)
+        if go is None:
+            choice = costmodel.choose(x.nbytes, lay, prm, req.grid)
+            log.debug("%s", choice.reason)
+            go = chosen[x.nbytes] = runs[choice.algorithm]
+        go(x, red)
+
+    return run
+
+
+#: Registered all-reduce algorithms: name -> planner.
+ALGORITHMS: dict[str, Planner] = {
+    "ring": _flat(ring.allreduce),
+    "halving_doubling": _flat(halving_doubling.allreduce),
+    "butterfly": _flat(butterfly.allreduce),
+    "reduce_broadcast": _flat(reduce_broadcast.allreduce),
+    "hierarchical_ring": _plan_hierarchical_ring,
+    "torus2d": _plan_torus2d,
+    "auto": _plan_auto,
 }
 
-DEFAULT_ALGORITHM = "ring"
-
+DEFAULT_ALGORITHM = "auto"
 
 
 def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
-              algorithm: str = DEFAULT_ALGORITHM, *, validate: Optional[bool] = None) -> Any:
+              algorithm: str = DEFAULT_ALGORITHM, *, validate: Optional[bool] = None,
+              layout: RanksPerNode = None, grid: Optional[tuple[int, int]] = None) -> Any:
     """Reduce ``buf`` element-wise across all ranks of ``comm``, in place, and return it.
 
     Args:
@@ -38,11 +107,16 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
             int32, int64. Overwritten with the reduction over all ranks;
             every rank ends with bitwise-identical contents.
         comm: the communicator (default ``MPI.COMM_WORLD``). Every rank of it
-            must call with the same length, dtype, op and algorithm.
+            must call with the same length, dtype, op, algorithm and options.
         op: one of "sum", "avg", "min", "max", "prod" ("avg" needs floats).
-        algorithm: a name in :data:`ALGORITHMS`.
+        algorithm: a name in :data:`ALGORITHMS`; "auto" picks by the cost
+            model (:func:`explain` says what and why).
         validate: check arguments for agreement across ranks first (one small
-            all-gather). None reads ``MPIDL_VALIDATE`` (default on).
+            all-gather). None uses the default (on unless ``MPIDL_VALIDATE=0``).
+        layout: ranks per node, overriding detection, for the topology-aware
+            algorithms and "auto": one number or node sizes ("3,1").
+        grid: (X, Y) for "torus2d", X * Y == number of ranks; default from
+            the layout (ranks per node x nodes).
 
     Returns:
         ``buf`` itself.
@@ -51,18 +125,35 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
         ArgumentError: invalid or disagreeing arguments; with validation on,
             raised on every rank before any data moved (``buf`` untouched).
     """
-    ctx = context(MPI.COMM_WORLD if comm is None else comm)
-    flat, red, kernel, problem = _prepare(buf, op, algorithm)
+    user = MPI.COMM_WORLD if comm is None else comm
+    ctx = context(user)
+    flat, red, problem = _prepare(buf, op, algorithm, user, layout, grid)
     if validation.enabled(validate):
+        options = 0 if layout is None and grid is None else validation.code(repr((layout, grid)))
         signature = (0, 0, 0, 0, 0) if problem else (
-            flat.size, DTYPES.index(flat.dtype), validation.code(op), validation.code(algorithm), 0)
+            flat.size, DTYPES.index(flat.dtype), validation.code(op), validation.code(algorithm), options)
         validation.check(ctx, "allreduce", problem, signature, _field_names)
     elif problem:
         raise problem
     if flat.size:
-        kernel(flat.data, ctx.comm, red)
+        key = (algorithm, layout, grid)
+        run = ctx.cache.get(key)
+        if run is None:
+            run = ctx.cache[key] = ALGORITHMS[algorithm](Request(user, ctx, layout, grid))
+        run(flat.data, red)
         red.finalize(flat.data, ctx.size)
     return buf
+
+
+def explain(nbytes: int, comm: Optional[MPI.Comm] = None, *, layout: RanksPerNode = None,
+            grid: Optional[tuple[int, int]] = None) -> costmodel.Choice:
+    """What ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``comm``, every
+    candidate's predicted time, and the reason (collective on first use: it may
+    calibrate the cost model)."""
+    user = MPI.COMM_WORLD if comm is None else comm
+    lay = node_layout(user, layout)
+    return costmodel.choose(nbytes, lay, costmodel.params_for(user, lay, context(user).cache), grid)
+
 
 
 def _field_names() -> tuple[dict[int, str], ...]:
@@ -71,17 +162,21 @@ def _field_names() -> tuple[dict[int, str], ...]:
             {validation.code(a): a for a in ALGORITHMS})
 
 
-def _prepare(buf: Any, op: str, algorithm: str) -> tuple[FlatBuffer, Reduction, Kernel, Optional[ArgumentError]]:
-    """Resolve the buffer, op and algorithm; a local problem is returned, not raised."""
+def _prepare(buf: Any, op: str, algorithm: str, comm: MPI.Comm, layout: RanksPerNode,
+             grid: Optional[tuple[int, int]]) -> tuple[FlatBuffer, Reduction, Optional[ArgumentError]]:
+    """Resolve the buffer, op, algorithm and options; a local problem is returned, not raised."""
     try:
+        if algorithm not in ALGORITHMS:
+            raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
         flat = as_flat(buf)
         red = reduction(op, flat.dtype, _array_module(flat.data))
-        kernel = ALGORITHMS.get(algorithm)
-        if kernel is None:
-            raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
-        return flat, red, kernel, None
+        if layout is not None:
+            node_layout(comm, layout)  # an override is parsed locally: no communication
+        if grid is not None:
+            hierarchy.check_grid(grid, comm.Get_size())
+        return flat, red, None
     except ArgumentError as exc:
-        return None, None, None, exc  # type: ignore[return-value]
+        return None, None, exc  # type: ignore[return-value]
 
 
 def _array_module(data: Any) -> Any:

@@ -72,8 +72,11 @@ def available_dtypes() -> list[str]:
 
 
 def check(comm: MPI.Comm, algorithms: Iterable[str], dtypes: Iterable[str],
-          ops: Iterable[str] = collectives.OPS, lengths: Sequence[int] | None = None) -> list[str]:
-    """Run the matrix on ``comm``; return this rank's failure messages (collective)."""
+          ops: Iterable[str] = collectives.OPS, lengths: Sequence[int] | None = None, **options) -> list[str]:
+    """Run the matrix on ``comm``; return this rank's failure messages (collective).
+
+    ``options`` (layout=, grid=) are passed to every all-reduce.
+    """
     failures: list[str] = []
     n, rank = comm.Get_size(), comm.Get_rank()
     for algorithm in algorithms:
@@ -82,16 +85,17 @@ def check(comm: MPI.Comm, algorithms: Iterable[str], dtypes: Iterable[str],
                 if op == "avg" and dtype in INT_DTYPES:
                     continue
                 for length in lengths or lengths_for(n):
-                    failures += _one(comm, algorithm, dtype, op, length, n, rank)
+                    failures += _one(comm, algorithm, dtype, op, length, n, rank, options)
     return failures
 
 
-def _one(comm: MPI.Comm, algorithm: str, dtype: str, op: str, length: int, n: int, rank: int) -> list[str]:
-    case = f"{algorithm} {op} {dtype} n={n} len={length}"
+def _one(comm: MPI.Comm, algorithm: str, dtype: str, op: str, length: int, n: int, rank: int,
+         options: dict) -> list[str]:
+    case = f"{algorithm} {op} {dtype} n={n} len={length} {options or ''}"
     mine = rank_input(rank, length, op)
     buf = make_buffer(mine, dtype)
     everyone = np.array(comm.allgather(mine)).reshape(n, length)
-    out = collectives.allreduce(buf, comm, op=op, algorithm=algorithm)
+    out = collectives.allreduce(buf, comm, op=op, algorithm=algorithm, **options)
     got = as_float64(buf)
     agree = len(set(comm.allgather(raw_bytes(buf)))) == 1
     problems = [] if out is buf else [f"{case}: did not return the caller's buffer"]
@@ -112,9 +116,13 @@ def _one(comm: MPI.Comm, algorithm: str, dtype: str, op: str, length: int, n: in
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithms", default=",".join(collectives.ALGORITHMS))
+    parser.add_argument("--layout", help="ranks per node override, e.g. 2 or 3,1")
+    parser.add_argument("--grid", help="X,Y for torus2d")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
-    failures = check(comm, args.algorithms.split(","), available_dtypes())
+    options = {k: v for k, v in (("layout", args.layout),
+                                 ("grid", tuple(map(int, args.grid.split(","))) if args.grid else None)) if v}
+    failures = check(comm, args.algorithms.split(","), available_dtypes(), **options)
     everyone = [f"rank {r}: {f}" for r, fs in enumerate(comm.gather(failures) or []) for f in fs]
     if comm.Get_rank() == 0:
         print("\n".join(everyone[:50]) or f"all-reduce matrix passed on {comm.Get_size()} ranks")

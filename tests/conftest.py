@@ -1,13 +1,21 @@
-"""pytest configuration: quieter output on ranks other than 0."""
+"""pytest configuration: a temporary root per rank, quieter output on ranks other than 0."""
 
 from __future__ import annotations
+
+import os
+import tempfile
 
 import pytest
 from mpi4py import MPI
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if MPI.COMM_WORLD.rank != 0:
+    rank = MPI.COMM_WORLD.rank
+    if config.option.basetemp is None:
+        # One temporary root per rank: pytest's numbered directories are not
+        # safe for several processes creating and pruning them at once.
+        config.option.basetemp = os.path.join(tempfile.gettempdir(), f"pytest-mpidl-{os.getuid()}-rank{rank}")
+    if rank != 0:
         # Ranks > 0 still report failures (and exit non-zero); they skip the
         # progress dots so that rank 0's report stays readable.
         config.option.verbose = -1

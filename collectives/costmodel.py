@@ -1,0 +1,321 @@
+"""Predicted all-reduce times, their calibration, and automatic choice.
+
+Model: a message of b bytes over a link costs alpha + b * beta, and reducing b
+bytes costs b * gamma. Links inside a node and between nodes have their own
+alpha and beta; a step of an algorithm costs what its slowest link costs,
+since all its exchanges run in parallel and the next step waits for them.
+Each algorithm is written as its steps on the actual node layout (which
+exchanges cross nodes), so one set of formulas covers flat, emulated and
+real multi-node layouts. With p ranks, n bytes and one link class they reduce
+to the textbook forms (Thakur, Rabenseifner & Gropp 2005):
+
+=================== =====================================================================
+ring                2(p-1) alpha + 2n (p-1)/p beta + n (p-1)/p gamma
+halving_doubling    2 lg p alpha + 2n (p-1)/p beta + n (p-1)/p gamma;  p not a power of
+                    two: (2 floor(lg p)+2) alpha + (2(p'-1)/p' + 2) n beta
+                    + n (1 + (p'-1)/p') gamma, p' = 2^floor(lg p)
+butterfly           lg p (alpha + n beta + n gamma) (+ the fold as above)
+reduce_broadcast    2 ceil(lg p) (alpha + n beta) + ceil(lg p) n gamma
+hierarchical_ring   intra-node reduce and broadcast + ring among the m leaders
+torus2d             2(X-1) alpha + 2n (X-1)/X beta (rows) + ring of n/X bytes on Y (columns)
+=================== =====================================================================
+
+``overhead`` is the fixed per-call cost of the Python entry point and the
+argument check; it is the same for every algorithm, so it moves predictions
+but never the choice.
+
+Parameters come from :func:`calibrate` (ping-pong exchanges inside and across
+nodes and a timed reduction), can be saved to and loaded from JSON
+(:meth:`Params.save`, :meth:`Params.load`; ``MPIDL_COSTMODEL=FILE`` makes
+``algorithm="auto"`` load a file instead of measuring).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from .hierarchy import Grid, default_grid
+from .layout import Layout
+
+log = logging.getLogger("collectives.auto")
+
+
+@dataclass
+class Params:
+    """Model parameters (seconds, seconds per byte)."""
+
+    alpha_intra: float = 5e-6
+    beta_intra: float = 3e-10
+    alpha_inter: float = 2e-5
+    beta_inter: float = 1e-9
+    gamma: float = 1e-10
+    overhead: float = 5e-6
+    source: str = "built-in defaults"
+
+    def link(self, inter: bool) -> tuple[float, float]:
+        """(alpha, beta) of an inter-node or intra-node link."""
+        return (self.alpha_inter, self.beta_inter) if inter else (self.alpha_intra, self.beta_intra)
+
+    def save(self, path: str) -> None:
+        """Write the parameters to ``path`` as JSON."""
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Params":
+        """Read parameters written by :meth:`save`."""
+        with open(path) as f:
+            return cls(**json.load(f))
+
+    def __str__(self) -> str:
+        return (f"alpha_intra={self.alpha_intra * 1e6:.2f}us beta_intra={self.beta_intra * 1e9:.3f}ns/B "
+                f"alpha_inter={self.alpha_inter * 1e6:.2f}us beta_inter={self.beta_inter * 1e9:.3f}ns/B "
+                f"gamma={self.gamma * 1e9:.3f}ns/B overhead={self.overhead * 1e6:.2f}us ({self.source})")
+
+
+# --- the algorithms as steps ------------------------------------------------
+
+def _crosses(lay: Layout, pairs) -> bool:
+    """Whether any (a, b) exchange of a step crosses nodes."""
+    return any(lay.node_of[a] != lay.node_of[b] for a, b in pairs)
+
+
+def _step(prm: Params, lay: Layout, pairs, nbytes: float, reduced: float) -> float:
+    alpha, beta = prm.link(_crosses(lay, pairs))
+    return alpha + nbytes * beta + reduced * prm.gamma
+
+
+def _ring(prm: Params, lay: Layout, ranks: list[int], n: float) -> float:
+    p = len(ranks)
+    if p == 1:
+        return 0.0
+    pairs = [(ranks[i], ranks[(i + 1) % p]) for i in range(p)]
+    return (p - 1) * (_step(prm, lay, pairs, n / p, n / p) + _step(prm, lay, pairs, n / p, 0))
+
+
+def _fold(p: int) -> tuple[int, int, Callable[[int], int]]:
+    pof2 = 1 << (p.bit_length() - 1)
+    rem = p - pof2
+    return pof2, rem, (lambda i: 2 * i + 1 if i < rem else i + rem)
+
+
+def _fold_cost(prm: Params, lay: Layout, p: int, n: float) -> float:
+    _, rem, _ = _fold(p)
+    if not rem:
+        return 0.0
+    pairs = [(2 * i, 2 * i + 1) for i in range(rem)]
+    return _step(prm, lay, pairs, n, n) + _step(prm, lay, pairs, n, 0)
+
+
+def _xor_pairs(p: int, mask: int) -> list[tuple[int, int]]:
+    pof2, _, real = _fold(p)
+    return [(real(i), real(i ^ mask)) for i in range(pof2) if i < i ^ mask]
+
+
+def ring(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+    """Predicted seconds of the ring algorithm for ``n`` bytes."""
+    return _ring(prm, lay, list(range(len(lay.node_of))), n)
+
+
+def halving_doubling(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+    """Predicted seconds of recursive halving-doubling for ``n`` bytes."""
+    p = len(lay.node_of)
+    pof2, _, _ = _fold(p)
+    t = _fold_cost(prm, lay, p, n)
+    mask = pof2 >> 1
+    while mask:
+        part = n * mask / pof2
+        pairs = _xor_pairs(p, mask)
+        t += _step(prm, lay, pairs, part, part) + _step(prm, lay, pairs, part, 0)
+        mask >>= 1
+    return t
+
+
+def butterfly(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+    """Predicted seconds of recursive doubling for ``n`` bytes."""
+    p = len(lay.node_of)
+    pof2, _, _ = _fold(p)
+    t = _fold_cost(prm, lay, p, n)
+    mask = 1
+    while mask < pof2:
+        t += _step(prm, lay, _xor_pairs(p, mask), n, n)
+        mask <<= 1
+    return t
+
+
+def _binomial(prm: Params, lay: Layout, ranks: list[int], n: float) -> tuple[float, float]:
+    """(reduce, broadcast) seconds of binomial trees over ``ranks`` rooted at ranks[0]."""
+    p = len(ranks)
+    red = bcast = 0.0
+    mask = 1
+    while mask < p:
+        pairs = [(ranks[r], ranks[r + mask]) for r in range(0, p - mask, 2 * mask)]
+        red += _step(prm, lay, pairs, n, n)
+        bcast += _step(prm, lay, pairs, n, 0)
+        mask <<= 1
+    return red, bcast
+
+
+def reduce_broadcast(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+    """Predicted seconds of binomial reduce + broadcast for ``n`` bytes."""
+    return sum(_binomial(prm, lay, list(range(len(lay.node_of))), n))
+
+
+def hierarchical_ring(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+    """Predicted seconds of the hierarchical ring for ``n`` bytes (slowest node)."""
+    intra = max(sum(_binomial(prm, lay, list(lay.members(k)), n)) for k in range(lay.nodes))
+    return intra + _ring(prm, lay, [lay.members(k)[0] for k in range(lay.nodes)], n)
+
+
+def torus2d(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+    """Predicted seconds of the 2D-torus algorithm for ``n`` bytes."""
+    x, y = grid or default_grid(lay)
+    by_node = set(lay.ranks_per_node) == {x} and (grid is None or tuple(grid) == default_grid(lay))
+    rows = [list(lay.members(k)) for k in range(lay.nodes)] if by_node else \
+        [list(range(r * x, r * x + x)) for r in range(y)]
+    row_t = max(_ring(prm, lay, row, n) for row in rows)
+    col_t = max(_ring(prm, lay, [row[i] for row in rows], n / x) for i in range(x))
+    return row_t + col_t
+
+
+#: Predictors by algorithm name: (params, layout, bytes, grid) -> seconds.
+MODELS: dict[str, Callable[..., float]] = {
+    "ring": ring,
+    "halving_doubling": halving_doubling,
+    "butterfly": butterfly,
+    "reduce_broadcast": reduce_broadcast,
+    "hierarchical_ring": hierarchical_ring,
+    "torus2d": torus2d,
+}
+
+
+def predict(algorithm: str, nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None) -> float:
+    """Predicted seconds of one all-reduce of ``nbytes`` with ``algorithm``."""
+    if len(lay.node_of) == 1:
+        return prm.overhead
+    return prm.overhead + MODELS[algorithm](prm, lay, float(nbytes), grid)
+
+
+@dataclass
+class Choice:
+    """What ``algorithm="auto"`` picks for a size, and why."""
+
+    algorithm: str
+    nbytes: int
+    predictions: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def choose(nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None) -> Choice:
+    """The algorithm with the least predicted time for ``nbytes`` on ``lay``."""
+    preds = {name: predict(name, nbytes, lay, prm, grid) for name in MODELS}
+    ranked = sorted(preds, key=lambda k: (preds[k], k))
+    best = ranked[0]
+    runner = f", next {ranked[1]} {preds[ranked[1]] * 1e6:.1f} us" if len(ranked) > 1 else ""
+    reason = (f"auto: {best} for {nbytes} B on {len(lay.node_of)} ranks ({lay}): predicted "
+              f"{preds[best] * 1e6:.1f} us, the least of {len(preds)}{runner}; {prm}")
+    return Choice(best, nbytes, {k: preds[k] for k in ranked}, reason)
+
+
+# --- calibration --------------------------------------------------------------
+
+_SMALL, _LARGE = 8, 4 << 20
+
+
+def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15) -> Params:
+    """Measure the parameters on ``comm`` (collective; about a second).
+
+    alpha and beta come from timed exchanges (both ranks send at once, as the
+    algorithms do) of 8 B and 4 MiB between two ranks of one node and between
+    the first ranks of two nodes; gamma from a timed in-place float32 sum of
+    4 MiB; overhead from an all-reduce of an empty buffer. Parameters that
+    the layout cannot measure (no two ranks on one node, or one node) are
+    taken from the other link class.
+    """
+    from . import api
+    from .context import context
+    from .p2p import sendrecv
+
+    user, comm = comm, context(comm).comm
+    rank = comm.Get_rank()
+    intra = next(((m[0], m[1]) for m in map(lay.members, range(lay.nodes)) if len(m) > 1), None)
+    inter = (lay.members(0)[0], lay.members(1)[0]) if lay.nodes > 1 else None
+    a = np.zeros(_LARGE, np.uint8)
+    b = np.zeros(_LARGE, np.uint8)
+
+    def exchange(pair: Optional[tuple[int, int]]) -> Optional[tuple[float, float]]:
+        times = {}
+        for nbytes in (_SMALL, _LARGE):
+            samples = []
+            for _ in range(repeat if nbytes == _SMALL else max(3, repeat // 3)):
+                comm.Barrier()
+                if pair is not None and rank in pair:
+                    peer = pair[1] if rank == pair[0] else pair[0]
+                    t0 = time.perf_counter()
+                    sendrecv(comm, a[:nbytes], peer, b[:nbytes], peer)
+                    samples.append(time.perf_counter() - t0)
+            times[nbytes] = float(np.median(samples)) if samples else 0.0
+        if pair is None:
+            return None
+        t_small, t_large = comm.bcast(times if rank == pair[0] else None, root=pair[0]).values()
+        return t_small, max((t_large - t_small) / (_LARGE - _SMALL), 1e-13)
+
+    measured_intra = exchange(intra)
+    measured_inter = exchange(inter)
+    x = np.ones(_LARGE // 4, np.float32)
+    y = np.ones(_LARGE // 4, np.float32)
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.add(x, y, out=x)
+        samples.append(time.perf_counter() - t0)
+    gamma = comm.allreduce(float(np.median(samples)) / _LARGE, op=MPI.MAX)
+    empty = np.zeros(0, np.float32)
+    samples = []
+    for _ in range(repeat):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        api.allreduce(empty, user, algorithm="ring")
+        samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    overhead = float(np.median(samples))
+    defaults = Params()
+    ai, bi = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra)
+    ae, be = measured_inter or (ai, bi)
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    return Params(ai, bi, ae, be, gamma, overhead,
+                  f"calibrated {stamp} on {comm.Get_size()} ranks, {lay}")
+
+
+def params_for(comm: MPI.Comm, lay: Layout, cache: dict) -> Params:
+    """The parameters ``auto`` uses on ``comm``: set by :func:`use`, else the
+    file named by ``MPIDL_COSTMODEL``, else measured once (collective) and cached."""
+    prm = cache.get("costmodel")
+    if prm is None:
+        path = os.environ.get("MPIDL_COSTMODEL")
+        if path and os.path.exists(path):
+            prm = Params.load(path)
+        else:
+            prm = calibrate(comm, lay)
+            log.debug("calibrated cost model: %s", prm)
+            if path and comm.Get_rank() == 0:
+                prm.save(path)
+        cache["costmodel"] = prm
+    return prm
+
+
+def model_bound(nbytes: int, p: int, beta: float) -> float:
+    """The bandwidth lower bound 2 (p-1)/p * nbytes * beta (Patarasuk & Yuan 2009)."""
+    return 2 * (p - 1) / p * nbytes * beta if p > 1 else 0.0
+
+

@@ -1,0 +1,104 @@
+"""The cost model's formulas, calibration, persistence and automatic choice."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives
+from collectives import costmodel
+from collectives.costmodel import Params
+from collectives.layout import Layout
+from mpitest import all_ok
+
+A, B, G = 3e-6, 2e-10, 5e-11
+FLAT = Params(alpha_intra=A, beta_intra=B, alpha_inter=A, beta_inter=B, gamma=G, overhead=0.0)
+N = 1 << 20
+
+
+def one_node(p: int) -> Layout:
+    return Layout((0,) * p)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 7, 8, 16])
+def test_textbook_forms(p: int) -> None:
+    lay, n = one_node(p), float(N)
+    lg, pof2 = math.log2(p), 1 << (p.bit_length() - 1)
+    assert costmodel.ring(FLAT, lay, n) == pytest.approx(2 * (p - 1) * A + 2 * n * (p - 1) / p * B + n * (p - 1) / p * G)
+    if p == pof2:
+        assert costmodel.halving_doubling(FLAT, lay, n) == pytest.approx(
+            2 * lg * A + 2 * n * (p - 1) / p * B + n * (p - 1) / p * G)
+        assert costmodel.butterfly(FLAT, lay, n) == pytest.approx(lg * (A + n * B + n * G))
+    else:  # MPICH's non-power-of-two form, with p' = 2^floor(lg p)
+        q = pof2
+        assert costmodel.halving_doubling(FLAT, lay, n) == pytest.approx(
+            (2 * math.floor(lg) + 2) * A + (2 * (q - 1) / q + 2) * n * B + n * (1 + (q - 1) / q) * G)
+    steps = math.ceil(lg)
+    assert costmodel.reduce_broadcast(FLAT, lay, n) == pytest.approx(2 * steps * (A + n * B) + steps * n * G)
+
+
+@pytest.mark.parametrize("x, y", [(2, 2), (4, 2), (2, 4), (3, 3)])
+def test_torus_form(x: int, y: int) -> None:
+    p, n = x * y, float(N)
+    t = costmodel.torus2d(FLAT, Layout(tuple(r // x for r in range(p))), n)
+    assert t == pytest.approx(2 * (x + y - 2) * A + 2 * n * (p - 1) / p * B + n * (p - 1) / p * G)
+
+
+def test_inter_node_links_cost_more() -> None:
+    prm = Params(alpha_intra=A, beta_intra=B, alpha_inter=10 * A, beta_inter=10 * B, gamma=G, overhead=0.0)
+    two_nodes = Layout((0, 0, 0, 0, 1, 1, 1, 1))
+    # hierarchical ring: binomial inside 4-rank nodes (2 steps each way) + a 2-leader ring over the slow link
+    expected = 2 * 2 * (A + N * B) + 2 * N * G + 2 * (10 * A + N / 2 * 10 * B) + N / 2 * G
+    assert costmodel.hierarchical_ring(prm, two_nodes, N) == pytest.approx(expected)
+    assert costmodel.ring(prm, two_nodes, N) > costmodel.ring(prm, one_node(8), N)
+
+
+def test_choice_orders_latency_and_bandwidth() -> None:
+    lay = one_node(8)
+    small, large = costmodel.choose(64, lay, FLAT), costmodel.choose(64 << 20, lay, FLAT)
+    assert small.algorithm == "butterfly"
+    assert large.algorithm in ("ring", "halving_doubling", "torus2d")
+    assert list(small.predictions) == sorted(small.predictions, key=small.predictions.get)
+    assert set(small.predictions) == set(costmodel.MODELS)
+    assert small.algorithm in small.reason and "predicted" in small.reason
+
+
+def test_params_round_trip(tmp_path) -> None:
+    path = tmp_path / "model.json"
+    FLAT.save(str(path))
+    assert Params.load(str(path)) == FLAT
+
+
+@pytest.mark.mpi
+def test_calibration_explain_and_debug_log(caplog: pytest.LogCaptureFixture) -> None:
+    comm = MPI.COMM_WORLD
+    prm = costmodel.calibrate(comm, collectives.layout.layout(comm, "1"))
+    assert prm.alpha_intra > 0 and prm.beta_inter > 0 and prm.gamma > 0 and prm.overhead > 0
+    choice = collectives.explain(1 << 16, comm)
+    assert choice.algorithm in costmodel.MODELS and choice.predictions[choice.algorithm] == min(choice.predictions.values())
+    with caplog.at_level(logging.DEBUG, logger="collectives.auto"):
+        x = np.ones(12345, np.float32)
+        collectives.allreduce(x, comm, algorithm="auto")
+    assert all_ok(comm, any(r.getMessage().startswith("auto: ") and " for 49380 B " in r.getMessage()
+                            for r in caplog.records))
+
+
+@pytest.mark.mpi
+def test_model_file_is_loaded_not_measured(tmp_path_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    comm = MPI.COMM_WORLD
+    path = comm.bcast(str(tmp_path_factory.mktemp("model") / "m.json") if comm.rank == 0 else None)
+    if comm.rank == 0:
+        FLAT.save(path)
+    comm.Barrier()
+    monkeypatch.setenv("MPIDL_COSTMODEL", path)
+    monkeypatch.setattr(costmodel, "calibrate", lambda *a, **k: pytest.fail("re-measured"))
+    sub = comm.Dup()
+    try:
+        assert collectives.explain(1 << 20, sub).predictions == costmodel.choose(
+            1 << 20, collectives.layout.layout(sub), FLAT).predictions
+    finally:
+        sub.Free()
