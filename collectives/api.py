@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
 from mpi4py import MPI
 
 from . import (butterfly, costmodel, halving_doubling, hierarchical_ring, hierarchy, reduce_broadcast,
@@ -65,21 +66,27 @@ def _plan_torus2d(req: Request) -> Run:
     return lambda x, red: torus2d.allreduce(x, row, col, red)
 
 
-def _plan_auto(req: Request) -> Run:
-    lay = node_layout(req.comm, req.layout)
-    prm = costmodel.params_for(req.comm, lay, req.ctx.cache)
-    runs = {name: ALGORITHMS[name](req) for name in costmodel.MODELS}
-    chosen: dict[int, Run] = {}
+class _Auto:
+    """The "auto" plan: per buffer size, the algorithm the cost model predicts fastest."""
 
-    def run(x: Any, red: Reduction) -> None:
-        go = chosen.get(x.nbytes)
-        if go is None:
-            choice = costmodel.choose(x.nbytes, lay, prm, req.grid)
+    def __init__(self, req: Request) -> None:
+        self.layout = node_layout(req.comm, req.layout)
+        self.grid = req.grid
+        self.params = costmodel.params_for(req.comm, self.layout, req.ctx.cache)
+        self.runs = {name: ALGORITHMS[name](req) for name in costmodel.MODELS}
+        self.chosen: dict[int, str] = {}
+
+    def algorithm_for(self, nbytes: int) -> str:
+        """The algorithm run for ``nbytes`` (chosen once per size, logged at DEBUG)."""
+        name = self.chosen.get(nbytes)
+        if name is None:
+            choice = costmodel.choose(nbytes, self.layout, self.params, self.grid)
             log.debug("%s", choice.reason)
-            go = chosen[x.nbytes] = runs[choice.algorithm]
-        go(x, red)
+            name = self.chosen[nbytes] = choice.algorithm
+        return name
 
-    return run
+    def __call__(self, x: Any, red: Reduction) -> None:
+        self.runs[self.algorithm_for(x.nbytes)](x, red)
 
 
 #: Registered all-reduce algorithms: name -> planner.
@@ -90,7 +97,7 @@ ALGORITHMS: dict[str, Planner] = {
     "reduce_broadcast": _flat(reduce_broadcast.allreduce),
     "hierarchical_ring": _plan_hierarchical_ring,
     "torus2d": _plan_torus2d,
-    "auto": _plan_auto,
+    "auto": _Auto,
 }
 
 DEFAULT_ALGORITHM = "auto"
@@ -128,19 +135,23 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
     user = MPI.COMM_WORLD if comm is None else comm
     ctx = context(user)
     flat, red, problem = _prepare(buf, op, algorithm, user, layout, grid)
+    reduced = False
     if validation.enabled(validate):
         options = 0 if layout is None and grid is None else validation.code(repr((layout, grid)))
         signature = (0, 0, 0, 0, 0) if problem else (
             flat.size, DTYPES.index(flat.dtype), validation.code(op), validation.code(algorithm), options)
-        validation.check(ctx, "allreduce", problem, signature, _field_names)
+        fuse = problem is None and _fusable(ctx, flat, (algorithm, layout, grid))
+        reduced = validation.check(ctx, "allreduce", problem, signature, _field_names,
+                                   flat.data if fuse else None, red)
     elif problem:
         raise problem
     if flat.size:
-        key = (algorithm, layout, grid)
-        run = ctx.cache.get(key)
-        if run is None:
-            run = ctx.cache[key] = ALGORITHMS[algorithm](Request(user, ctx, layout, grid))
-        run(flat.data, red)
+        if not reduced:
+            key = (algorithm, layout, grid)
+            run = ctx.cache.get(key)
+            if run is None:
+                run = ctx.cache[key] = ALGORITHMS[algorithm](Request(user, ctx, layout, grid))
+            run(flat.data, red)
         red.finalize(flat.data, ctx.size)
     return buf
 
@@ -154,6 +165,17 @@ def explain(nbytes: int, comm: Optional[MPI.Comm] = None, *, layout: RanksPerNod
     lay = node_layout(user, layout)
     return costmodel.choose(nbytes, lay, costmodel.params_for(user, lay, context(user).cache), grid)
 
+
+
+def _fusable(ctx: Context, flat: FlatBuffer, key: tuple) -> bool:
+    """Whether the argument check can carry this all-reduce (a small host buffer
+    whose algorithm is the butterfly, directly or as auto's cached choice)."""
+    if not 0 < flat.nbytes <= validation.FUSE_LIMIT or ctx.size == 1 or type(flat.data) is not np.ndarray:
+        return False
+    if key[0] == "butterfly":
+        return True
+    plan = ctx.cache.get(key) if key[0] == "auto" else None
+    return plan is not None and plan.algorithm_for(flat.nbytes) == "butterfly"
 
 
 def _field_names() -> tuple[dict[int, str], ...]:

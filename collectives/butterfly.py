@@ -1,6 +1,6 @@
 """Butterfly all-reduce (recursive doubling).
 
-Phases (p' = 2^floor(lg p) participants after :class:`~collectives.fold.Fold`):
+Phases (p' = 2^floor(lg p) participants after :mod:`~collectives.fold`):
 for mask = 1, 2, 4, ..., p'/2 each participant exchanges its whole vector with
 participant ``newrank XOR mask`` and combines, lower rank's operand first, so
 both partners compute bitwise the same value. Extra ranks are folded in first
@@ -9,6 +9,8 @@ and out last.
 Cost: lg p alpha + n lg p beta + n lg p gamma (p a power of two); the fold adds
 2 alpha + 2 n beta + n gamma. Fewest messages of all the algorithms: wins for
 small vectors, loses for large ones (it sends the whole vector lg p times).
+With argument checking on, small vectors travel together with the check
+(:mod:`collectives.validation`), in one message per step.
 Reference: Thakur, Rabenseifner & Gropp, "Optimization of Collective
 Communication Operations in MPICH", IJHPCA 2005, section 4.
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .fold import Fold
+from .fold import fold
 from .ops import Reduction
 from .p2p import sendrecv
 from .scratch import scratch
@@ -27,14 +29,11 @@ from .scratch import scratch
 
 def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
     """Reduce ``x`` in place across ``comm`` by recursive doubling."""
-    fold = Fold(comm)
-    fold.fold_in(x, red)
-    if fold.newrank is not None:
+    f = fold(comm)
+    f.fold_in(x, comm, red)
+    if f.peers:
         tmp = scratch(x, x.shape[0])
-        mask = 1
-        while mask < fold.pof2:
-            peer = fold.real(fold.newrank ^ mask)
+        for peer in f.peers:
             sendrecv(comm, x, peer, tmp, peer)
-            red.combine(x, tmp, src_first=peer < fold.rank)
-            mask <<= 1
-    fold.fold_out(x)
+            red.combine(x, tmp, src_first=peer < f.rank)
+    f.fold_out(x, comm)

@@ -1,6 +1,6 @@
 """Recursive halving-doubling all-reduce (Rabenseifner's algorithm).
 
-Phases (p' = 2^floor(lg p) participants after :class:`~collectives.fold.Fold`;
+Phases (p' = 2^floor(lg p) participants after :mod:`~collectives.fold`;
 the vector is split into p' blocks by :func:`chunk_bounds`):
 
 1. reduce-scatter by recursive halving: for mask = p'/2, ..., 1 each
@@ -25,7 +25,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .chunks import chunk_bounds
-from .fold import Fold
+from .fold import fold
 from .ops import Reduction
 from .p2p import sendrecv
 from .scratch import scratch
@@ -33,30 +33,30 @@ from .scratch import scratch
 
 def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
     """Reduce ``x`` in place across ``comm`` by recursive halving then doubling."""
-    fold = Fold(comm)
-    fold.fold_in(x, red)
-    if fold.newrank is not None and fold.pof2 > 1:
-        me = fold.newrank
-        bounds = chunk_bounds(x.shape[0], fold.pof2)
-        tmp = scratch(x, bounds[fold.pof2 // 2] + 1)
-        lo, hi = 0, fold.pof2  # the block range this rank is responsible for
-        mask = fold.pof2 >> 1
+    f = fold(comm)
+    f.fold_in(x, comm, red)
+    if f.peers:
+        me = f.newrank
+        bounds = chunk_bounds(x.shape[0], f.pof2)
+        tmp = scratch(x, bounds[f.pof2 // 2] + 1)
+        lo, hi = 0, f.pof2  # the block range this rank is responsible for
+        mask = f.pof2 >> 1
         while mask:
-            peer = fold.real(me ^ mask)
+            peer = f.peers[mask.bit_length() - 1]
             mid = (lo + hi) // 2
             (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if (me & mask) == 0 else ((mid, hi), (lo, mid))
             keep = x[bounds[klo]:bounds[khi]]
             got = tmp[: keep.shape[0]]
             sendrecv(comm, x[bounds[slo]:bounds[shi]], peer, got, peer)
-            red.combine(keep, got, src_first=peer < fold.rank)
+            red.combine(keep, got, src_first=peer < f.rank)
             lo, hi = klo, khi
             mask >>= 1
         mask = 1
-        while mask < fold.pof2:
-            peer = fold.real(me ^ mask)
+        while mask < f.pof2:
+            peer = f.peers[mask.bit_length() - 1]
             width = hi - lo
             plo = lo + width if (me & mask) == 0 else lo - width
             sendrecv(comm, x[bounds[lo]:bounds[hi]], peer, x[bounds[plo]:bounds[plo + width]], peer)
             lo, hi = min(lo, plo), max(hi, plo + width)
             mask <<= 1
-    fold.fold_out(x)
+    f.fold_out(x, comm)

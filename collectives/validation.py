@@ -1,34 +1,59 @@
-"""Cross-rank agreement check run before a collective moves any data.
+"""Cross-rank agreement check run before (or together with) a collective.
 
-Every rank contributes a small integer signature (local error flag, length,
-dtype, op, algorithm, options) to one ``Allgather`` on the private
-communicator. If all signatures agree, the collective proceeds. Otherwise
-every rank raises the same :class:`ArgumentError` naming the offending ranks
-and values — no rank hangs in a collective the others skipped, no rank
-computes with a peer whose buffer has another length — and the caller's
-buffer is untouched. A local problem (read-only buffer, unknown op) on one
-rank is reported on all.
+Every rank has a small integer signature: a local-problem flag, then length,
+dtype, op, algorithm and options. The check is a recursive-doubling exchange
+of a 48-byte header on the private communicator, folded for non-powers of two
+like the butterfly (:mod:`collectives.fold`): each rank carries a flag and a
+reference signature (the lowest rank's of the ranks it has heard from); on
+every exchange the flags OR together with "the two references differ" and
+"the message had an unexpected size", and both partners keep the lower
+rank's reference. After lg p steps every rank holds the same flag, set iff
+some rank had a local problem or two signatures differ — and no message can
+be larger than any receive posted, so a disagreement never truncates, hangs
+or half-runs: a set flag makes every rank gather the signatures once more
+and raise the same :class:`ArgumentError`, naming the ranks and values, with
+the caller's buffer untouched.
 
-The check costs one small all-gather per call. It is on by default; pass
-``validate=False``, call :func:`set_default`, or set ``MPIDL_VALIDATE=0``
-before start-up to skip it, after which a
-disagreement is undefined behaviour (an MPI error, a hang or a wrong result).
+For the butterfly on small vectors (up to :data:`FUSE_LIMIT` bytes) the data
+rides in the same messages, after the header, and is combined in scratch
+space; it is copied to the caller's buffer only if the final flag is clear.
+So the check costs no extra message there; elsewhere it costs lg p small
+exchanges before the algorithm runs.
+
+Checking is on by default; pass ``validate=False``, call
+:func:`set_default`, or set ``MPIDL_VALIDATE=0`` before start-up to skip it,
+after which a disagreement is undefined behaviour (an MPI error, a hang or a
+wrong result), as with MPI itself.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import zlib
 from functools import lru_cache
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
+from mpi4py import MPI
 
 from .context import Context
 from .errors import ArgumentError
+from .fold import fold_of
+from .ops import Reduction
+from .scratch import scratch
 
 #: Names of the signature fields, in order.
 FIELDS = ("error", "length", "dtype", "op", "algorithm", "options")
+
+#: Largest vector (bytes) carried together with the check.
+FUSE_LIMIT = 64 << 10
+
+_HEADER = struct.Struct("<6q")  # flag, then the signature
+_H = _HEADER.size
+_TAG = 0x6D71
+_BYTE = MPI.BYTE
+_U8 = np.dtype(np.uint8)
 
 _FALSE = {"0", "false", "no", "off"}
 
@@ -59,50 +84,99 @@ def code(name: str) -> int:
 
 
 def check(ctx: Context, what: str, problem: Optional[ArgumentError], signature: Sequence[int],
-          names: Callable[[], Sequence[dict[int, str]]] = tuple) -> None:
+          names: Callable[[], Sequence[dict[int, str]]] = tuple, data: Any = None,
+          red: Optional[Reduction] = None) -> bool:
     """Raise the same ArgumentError on every rank unless all agree and none has a problem.
 
+    Collective over ``ctx.comm``.
+
     Args:
-        ctx: the communicator's context; collective over ``ctx.comm``.
+        ctx: the communicator's context.
         what: the operation, for the message; must be the same on every rank.
         problem: this rank's local argument error, if any.
         signature: ints for FIELDS[1:] (ignored where ``problem`` is set).
         names: called only to word an error: per field after "error", a map
             from code to a readable name.
+        data: optionally, a host 1-D array of at most FUSE_LIMIT bytes to
+            all-reduce with ``red`` by recursive doubling in the same messages
+            (every rank must pass one, of the same size).
+
+    Returns:
+        True if ``data`` was given and now holds the reduction.
     """
-    mine, table = ctx.cache.get("validation", (None, None))
-    if mine is None:
-        mine = np.zeros(len(FIELDS), dtype=np.int64)
-        table = np.zeros((ctx.size, len(FIELDS)), dtype=np.int64)
-        ctx.cache["validation"] = (mine, table)
-    if problem is None:
-        mine[0] = 0
-        mine[1:] = signature
+    f = fold_of(ctx.rank, ctx.size)
+    nbytes = 0 if data is None else data.nbytes
+    out = scratch(_U8_EMPTY, _H + FUSE_LIMIT, slot=2)
+    got = scratch(_U8_EMPTY, _H + FUSE_LIMIT, slot=3)
+    ref = (0,) * (len(FIELDS) - 1) if problem is not None else tuple(signature)
+    flag = int(problem is not None)
+    if nbytes:
+        mine = out[_H:_H + nbytes].view(data.dtype)
+        theirs = got[_H:_H + nbytes].view(data.dtype)
+        np.copyto(mine, data)
+    comm, status, size = ctx.comm, _status(ctx), _H + nbytes
+
+    def merge(peer: int) -> None:
+        nonlocal flag, ref
+        pflag, *pref = _HEADER.unpack_from(got)
+        pref = tuple(pref)
+        flag |= pflag | (status.Get_count(_BYTE) != size) | (pref != ref)
+        if peer < ctx.rank:
+            ref = pref
+        if nbytes and not flag:
+            red.combine(mine, theirs, src_first=peer < ctx.rank)
+
+    _HEADER.pack_into(out, 0, flag, *ref)
+    if f.partner is not None and f.newrank is None:  # folded out: hand over, wait for the result
+        comm.Send([out[:size], _BYTE], f.partner, _TAG)
+        comm.Recv([out, _BYTE], f.partner, _TAG, status)
+        flag, *ref = _HEADER.unpack_from(out)
+        flag |= status.Get_count(_BYTE) != size
     else:
-        mine[:] = 0
-        mine[0] = 1
-    ctx.comm.Allgather(mine, table)
-    if problem is None and table.tobytes() == mine.tobytes() * ctx.size:
-        return
-    _raise(ctx, what, problem, table, names())
+        if f.partner is not None:
+            comm.Recv([got, _BYTE], f.partner, _TAG, status)
+            merge(f.partner)
+            _HEADER.pack_into(out, 0, flag, *ref)
+        for peer in f.peers:
+            comm.Sendrecv([out[:size], _BYTE], peer, _TAG, [got, _BYTE], peer, _TAG, status)
+            merge(peer)
+            _HEADER.pack_into(out, 0, flag, *ref)
+        if f.partner is not None:
+            comm.Send([out[:size], _BYTE], f.partner, _TAG)
+    if flag:
+        _raise(ctx, what, problem, signature, names())
+    if nbytes:
+        np.copyto(data, mine)
+    return bool(nbytes)
 
 
-def _raise(ctx: Context, what: str, problem: Optional[ArgumentError], table: np.ndarray,
+_U8_EMPTY = np.empty(0, np.uint8)
+
+
+def _status(ctx: Context) -> MPI.Status:
+    status = ctx.cache.get("validation-status")
+    if status is None:
+        status = ctx.cache["validation-status"] = MPI.Status()
+    return status
+
+
+def _raise(ctx: Context, what: str, problem: Optional[ArgumentError], signature: Sequence[int],
            names: Sequence[dict[int, str]]) -> None:
-    """Word and raise the error every rank raises alike (collective when a rank has a problem)."""
-    if table[:, 0].any():
-        messages = ctx.comm.allgather(None if problem is None else str(problem))
-        bad = [r for r, m in enumerate(messages) if m is not None]
-        detail = "; ".join(f"rank {r}: {messages[r]}" for r in bad)
+    """Gather everyone's signature and problem, then raise the error every rank raises alike."""
+    rows = ctx.comm.allgather((str(problem), None) if problem is not None else (None, tuple(signature)))
+    bad = [r for r, (message, _) in enumerate(rows) if message is not None]
+    if bad:
+        detail = "; ".join(f"rank {r}: {rows[r][0]}" for r in bad)
         raise ArgumentError(f"{what}: invalid arguments on rank(s) {bad}: {detail} (no data moved)", bad)
+    table = np.array([sig for _, sig in rows], dtype=np.int64)
     diffs = []
-    for f in range(1, len(FIELDS)):
+    for f in range(table.shape[1]):
         column = table[:, f]
         if (column != column[0]).any():
-            lookup = names[f - 1] if f - 1 < len(names) else {}
+            lookup = names[f] if f < len(names) else {}
             values = ", ".join(f"rank {r}: {lookup.get(int(v), int(v))}" for r, v in enumerate(column))
-            diffs.append(f"{FIELDS[f]} differs across ranks ({values})")
-    raise ArgumentError(f"{what}: ranks disagree: {'; '.join(diffs)} (no data moved)", _minority(table[:, 1:]))
+            diffs.append(f"{FIELDS[f + 1]} differs across ranks ({values})")
+    raise ArgumentError(f"{what}: ranks disagree: {'; '.join(diffs)} (no data moved)", _minority(table))
 
 
 def _minority(rows: np.ndarray) -> list[int]:

@@ -6,7 +6,11 @@ batches of calls after a warm-up. A batch starts at a barrier and its time is
 the slowest rank's; candidates take turns within each repetition (so slow
 drift of a noisy machine hits all of them alike) and each reports the median
 over repetitions. "vs native" is native's time (the faster native variant)
-divided by the candidate's: above 1 the candidate is faster.
+divided by the candidate's: above 1 the candidate is faster. "vs bound" is
+the bandwidth lower bound 2(n-1)/n * size * beta (Patarasuk & Yuan; beta
+calibrated for the slowest link in use) divided by the time: 1 would be a
+perfect bandwidth-optimal algorithm with free reductions. "model" is the cost
+model's prediction (:mod:`collectives.costmodel`).
 
 Native MPICH allocates a temporary buffer per large call, so its time depends
 on malloc: the run reports ``GLIBC_TUNABLES`` as found, and ``--tuned-malloc``
@@ -30,6 +34,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 import collectives
+from collectives import costmodel
+from collectives.context import context
+from collectives.layout import layout
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
@@ -46,6 +53,8 @@ class Result:
     algbw: float
     busbw: float
     vs_native: float
+    vs_bound: float = 0.0
+    predicted: float = 0.0
 
 
 def parse_size(text: str) -> int:
@@ -107,11 +116,18 @@ def candidates(names: Sequence[str], validate: bool) -> dict[str, Callable[[np.n
 def run(sizes: Sequence[int], names: Sequence[str], dtype: str = "float32", repeat: int = 11,
         batch_time: float = 0.01, validate: bool = True, tuned_malloc: bool = False,
         progress: bool = True) -> list[Result]:
-    """Run the sweep (collective over COMM_WORLD) and return every rank the results."""
+    """Run the sweep (collective over COMM_WORLD) and return every rank the results.
+
+    Each result also carries the cost model's prediction (mpidl's algorithms)
+    and the fraction of the bandwidth bound 2(n-1)/n * size * beta it reaches,
+    beta being the calibrated per-byte time of the slowest link in use.
+    """
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
+    lay = layout(comm)
+    prm = costmodel.params_for(comm, lay, context(comm).cache)
     fns = candidates(names, validate)
     results: list[Result] = []
     steps = [(size, phase) for size in sizes for phase in (["default", "tuned"] if tuned_malloc else ["default"])]
@@ -132,9 +148,15 @@ def run(sizes: Sequence[int], names: Sequence[str], dtype: str = "float32", repe
         bar.update(1)
     bar.close()
     _mallopt(False)
+    beta = prm.beta_inter if lay.nodes > 1 else prm.beta_intra
     for r in results:
         native = min(q.time for q in results if q.size == r.size and q.algorithm.startswith("native"))
         r.vs_native = native / r.time
+        r.vs_bound = costmodel.model_bound(r.size, n, beta) / r.time
+        if r.algorithm == "auto":
+            r.predicted = costmodel.predict(costmodel.choose(r.size, lay, prm).algorithm, r.size, lay, prm)
+        elif r.algorithm in costmodel.MODELS:
+            r.predicted = costmodel.predict(r.algorithm, r.size, lay, prm)
     return results
 
 
@@ -183,11 +205,13 @@ def _progress(total: int, show: bool):
 
 def table(results: Sequence[Result], nranks: int) -> str:
     """The results as a text table, one block per size."""
-    lines = [f"{'size':>9}  {'algorithm':<24} {'time (us)':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} {'vs native':>9}"]
+    lines = [f"{'size':>9}  {'algorithm':<22} {'time (us)':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} "
+             f"{'vs native':>9} {'vs bound':>8} {'model (us)':>10}"]
     for size in sorted({r.size for r in results}):
         for r in (q for q in results if q.size == size):
-            lines.append(f"{human(size):>9}  {r.algorithm:<24} {r.time * 1e6:11.1f} {r.algbw / 1e9:10.3f} "
-                         f"{r.busbw / 1e9:10.3f} {r.vs_native:9.2f}")
+            model = f"{r.predicted * 1e6:10.1f}" if r.predicted else f"{'-':>10}"
+            lines.append(f"{human(size):>9}  {r.algorithm:<22} {r.time * 1e6:11.1f} {r.algbw / 1e9:10.3f} "
+                         f"{r.busbw / 1e9:10.3f} {r.vs_native:9.2f} {r.vs_bound:8.2f} {model}")
     return "\n".join(lines)
 
 
@@ -246,11 +270,14 @@ def main(args: argparse.Namespace) -> int:
         return 2
     results = run(sizes, names, args.dtype, args.repeat, args.batch_time, not args.no_validate, args.tuned_malloc)
     if comm.Get_rank() == 0:
+        prm = costmodel.params_for(comm, layout(comm), context(comm).cache)
         meta = {"ranks": comm.Get_size(), "dtype": args.dtype, "validate": not args.no_validate,
+                "layout": str(layout(comm)), "costmodel": str(prm),
                 "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
                 "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split())}
         print(f"# mpidl bench: {meta['ranks']} ranks, {meta['dtype']}, {meta['mpi']}, validation "
               f"{'on' if meta['validate'] else 'off'}, GLIBC_TUNABLES={meta['GLIBC_TUNABLES'] or '(unset)'}")
+        print(f"# {meta['layout']}; cost model: {meta['costmodel']}")
         print(table(results, comm.Get_size()))
         write_outputs(results, args, meta)
     return 0

@@ -41,6 +41,28 @@ def test_length_mismatch_raises_everywhere_and_leaves_buffer(algorithm: str) -> 
     assert np.array_equal(x, before)
 
 
+def test_length_mismatch_across_the_fused_limit() -> None:
+    """Small buffers travel with the argument check, large ones after it: a mix still fails cleanly."""
+    from collectives.validation import FUSE_LIMIT
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        pytest.skip("needs two ranks")
+    x = np.ones(one_rank_differs(100, FUSE_LIMIT // 4 + 100), dtype=np.float32)
+    expect_same_error(lambda: collectives.allreduce(x, algorithm="butterfly"), "length differs")
+    assert np.all(x == 1)
+
+
+def test_algorithm_mismatch() -> None:
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        pytest.skip("needs two ranks")
+    x = np.ones(10)
+    expect_same_error(lambda: collectives.allreduce(x, algorithm=one_rank_differs("butterfly", "ring")),
+                      "algorithm differs", "butterfly", "ring")
+    assert np.all(x == 1)
+
+
 def test_dtype_mismatch() -> None:
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 2:
@@ -98,12 +120,12 @@ def test_validation_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(validation, "check", boom)
     comm = MPI.COMM_WORLD
     x = np.ones(5)
-    collectives.allreduce(x, validate=False)
+    collectives.allreduce(x, algorithm="ring", validate=False)
     monkeypatch.setattr(validation, "_default", True)
     validation.set_default(False)
-    collectives.allreduce(x)
+    collectives.allreduce(x, algorithm="ring")
     with pytest.raises(ArgumentError, match="unknown op"):
-        collectives.allreduce(x, op="bogus")
+        collectives.allreduce(x, op="bogus", algorithm="ring")
     assert all_ok(comm, bool(np.all(x == comm.Get_size() ** 2)))
 
 
