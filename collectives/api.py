@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import (butterfly, costmodel, halving_doubling, hierarchical_ring, hierarchy, reduce_broadcast,
+from . import (butterfly, costmodel, gpu, halving_doubling, hierarchical_ring, hierarchy, reduce_broadcast,
                ring, torus2d, validation)
-from .buffers import DTYPES, FlatBuffer, as_flat
+from .buffers import DTYPES, FlatBuffer, array_module, as_flat
 from .context import Context, context
 from .errors import ArgumentError
 from .layout import RanksPerNode
@@ -139,12 +139,14 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
     if validation.enabled(validate):
         options = 0 if layout is None and grid is None else validation.code(repr((layout, grid)))
         signature = (0, 0, 0, 0, 0) if problem else (
-            flat.size, DTYPES.index(flat.dtype), validation.code(op), validation.code(algorithm), options)
+            flat.size, _dtype_code(flat), validation.code(op), validation.code(algorithm), options)
         fuse = problem is None and _fusable(ctx, flat, (algorithm, layout, grid))
         reduced = validation.check(ctx, "allreduce", problem, signature, _field_names,
                                    flat.data if fuse else None, red)
     elif problem:
         raise problem
+    if type(flat.data) is not np.ndarray:
+        gpu.ensure(ctx.comm, flat)
     if flat.size:
         if not reduced:
             key = (algorithm, layout, grid)
@@ -178,10 +180,15 @@ def _fusable(ctx: Context, flat: FlatBuffer, key: tuple) -> bool:
     return plan is not None and plan.algorithm_for(flat.nbytes) == "butterfly"
 
 
+def _dtype_code(flat: FlatBuffer) -> int:
+    """The dtype's index in DTYPES, offset by len(DTYPES) for device memory."""
+    return DTYPES.index(flat.dtype) + (0 if type(flat.data) is np.ndarray else len(DTYPES))
+
+
 def _field_names() -> tuple[dict[int, str], ...]:
     """Readable names of the signature codes, for error messages."""
-    return ({}, dict(enumerate(DTYPES)), {validation.code(op): op for op in OPS},
-            {validation.code(a): a for a in ALGORITHMS})
+    dtypes = {**dict(enumerate(DTYPES)), **{i + len(DTYPES): f"{d} (device)" for i, d in enumerate(DTYPES)}}
+    return ({}, dtypes, {validation.code(op): op for op in OPS}, {validation.code(a): a for a in ALGORITHMS})
 
 
 def _prepare(buf: Any, op: str, algorithm: str, comm: MPI.Comm, layout: RanksPerNode,
@@ -191,7 +198,7 @@ def _prepare(buf: Any, op: str, algorithm: str, comm: MPI.Comm, layout: RanksPer
         if algorithm not in ALGORITHMS:
             raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
         flat = as_flat(buf)
-        red = reduction(op, flat.dtype, _array_module(flat.data))
+        red = reduction(op, flat.dtype, array_module(flat.data))
         if layout is not None:
             node_layout(comm, layout)  # an override is parsed locally: no communication
         if grid is not None:
@@ -199,13 +206,3 @@ def _prepare(buf: Any, op: str, algorithm: str, comm: MPI.Comm, layout: RanksPer
         return flat, red, None
     except ArgumentError as exc:
         return None, None, exc  # type: ignore[return-value]
-
-
-def _array_module(data: Any) -> Any:
-    import numpy
-
-    if isinstance(data, numpy.ndarray):
-        return numpy
-    import cupy
-
-    return cupy.get_array_module(data)

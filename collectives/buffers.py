@@ -83,6 +83,15 @@ def as_flat(buf: Any) -> FlatBuffer:
     )
 
 
+def array_module(data: Any) -> Any:
+    """numpy for a numpy array, else the CuPy module of a device array."""
+    if isinstance(data, np.ndarray):
+        return np
+    import cupy
+
+    return cupy.get_array_module(data)
+
+
 def check_dtype(name: str, what: str) -> None:
     """Raise ArgumentError unless ``name`` is one of :data:`DTYPES`."""
     if name not in DTYPES:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import numpy as np
+from .buffers import array_module
 
 _local = threading.local()
 
@@ -30,7 +30,7 @@ def scratch(like: Any, n: int, slot: int = 0) -> Any:
     key = (type(like), like.dtype, slot)
     buf = cache.get(key)
     if buf is None or buf.shape[0] < n:
-        xp = np if isinstance(like, np.ndarray) else _array_module(like)
+        xp = array_module(like)
         buf = cache[key] = xp.empty(max(n, 1), dtype=like.dtype)
     return buf[:n]
 
@@ -38,9 +38,3 @@ def scratch(like: Any, n: int, slot: int = 0) -> Any:
 def release() -> None:
     """Drop this thread's scratch buffers (e.g. after a large benchmark)."""
     _local.buffers = {}
-
-
-def _array_module(arr: Any) -> Any:
-    import cupy
-
-    return cupy.get_array_module(arr)

@@ -23,18 +23,19 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import importlib
 import json
 import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 import collectives
-from collectives import costmodel
+from collectives import costmodel, gpu
 from collectives.context import context
 from collectives.layout import layout
 
@@ -80,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated message sizes (default {DEFAULT_SIZES})")
     p.add_argument("--algorithms", default="all", help="comma-separated algorithm names, or 'all'")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "int32", "int64"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: CuPy buffers in GPU memory (needs the cupy extra and a GPU)")
     p.add_argument("--repeat", type=int, default=11, help="timed repetitions per size (median reported)")
     p.add_argument("--batch-time", type=float, default=0.01,
                    help="seconds each timed batch aims for; small messages run many calls per batch")
@@ -91,22 +94,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="plot time vs size, one line per algorithm (needs matplotlib)")
 
 
-def candidates(names: Sequence[str], validate: bool) -> dict[str, Callable[[np.ndarray], None]]:
-    """Callables that all-reduce a buffer in place, by candidate name."""
+def candidates(names: Sequence[str], validate: bool, device: str = "cpu") -> dict[str, Callable[[Any], None]]:
+    """Callables that all-reduce a buffer in place (native out-of-place: into a
+    second buffer), by candidate name. On "cuda" each call ends with a stream
+    synchronisation, and native MPI gets device pointers only if the MPI
+    library is GPU-aware (:mod:`collectives.gpu`); otherwise it is timed with
+    the same staging through pinned host memory ("native_staged")."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    out: dict[str, Callable[[np.ndarray], None]] = {}
-    recv: dict[int, np.ndarray] = {}
+    out: dict[str, Callable[[Any], None]] = {}
+    spare: dict[int, Any] = {}
 
-    def native(x: np.ndarray) -> None:
-        r = recv.get(x.nbytes)
-        if r is None:
-            r = recv[x.nbytes] = np.empty_like(x)
-        comm.Allreduce(x, r)
-        x[...] = r  # the same contract as in place: the result ends in x
+    def other(x: Any) -> Any:
+        if x.nbytes not in spare:
+            spare[x.nbytes] = x.copy()
+        return spare[x.nbytes]
 
-    out["native"] = native
+    if device == "cuda":
+        import cupy
+
+        sync = cupy.cuda.get_current_stream().synchronize
+        if gpu.configure(comm).mode == "direct":
+            out["native"] = lambda x: (sync(), comm.Allreduce(x, other(x)), sync())
+            out["native_inplace"] = lambda x: (sync(), comm.Allreduce(MPI.IN_PLACE, x), sync())
+        else:
+            def staged(x: Any) -> None:
+                host = spare.setdefault(("host", x.nbytes), cupy.cuda.alloc_pinned_memory(x.nbytes))
+                h = np.frombuffer(host, x.dtype, x.size)
+                x.get(out=h)
+                comm.Allreduce(MPI.IN_PLACE, h)
+                x.set(h)
+            out["native_staged"] = staged
+        for name in names:
+            out[name] = lambda x, name=name: (collectives.allreduce(x, comm, "sum", name, validate=validate), sync())
+        return out
+    out["native"] = lambda x: comm.Allreduce(x, other(x))
     out["native_inplace"] = lambda x: comm.Allreduce(MPI.IN_PLACE, x)
     for name in names:
         out[name] = lambda x, name=name: collectives.allreduce(x, comm, "sum", name, validate=validate)
@@ -115,7 +138,7 @@ def candidates(names: Sequence[str], validate: bool) -> dict[str, Callable[[np.n
 
 def run(sizes: Sequence[int], names: Sequence[str], dtype: str = "float32", repeat: int = 11,
         batch_time: float = 0.01, validate: bool = True, tuned_malloc: bool = False,
-        progress: bool = True) -> list[Result]:
+        progress: bool = True, device: str = "cpu") -> list[Result]:
     """Run the sweep (collective over COMM_WORLD) and return every rank the results.
 
     Each result also carries the cost model's prediction (mpidl's algorithms)
@@ -128,15 +151,16 @@ def run(sizes: Sequence[int], names: Sequence[str], dtype: str = "float32", repe
     n = comm.Get_size()
     lay = layout(comm)
     prm = costmodel.params_for(comm, lay, context(comm).cache)
-    fns = candidates(names, validate)
+    fns = candidates(names, validate, device)
     results: list[Result] = []
     steps = [(size, phase) for size in sizes for phase in (["default", "tuned"] if tuned_malloc else ["default"])]
     bar = _progress(len(steps), progress and comm.Get_rank() == 0)
+    xp = np if device == "cpu" else importlib.import_module("cupy")
     for size, phase in steps:
         _mallopt(phase == "tuned")
         todo = {k: v for k, v in fns.items() if phase == "default" or k.startswith("native")}
         label = (lambda k: k) if phase == "default" else (lambda k: f"{k}+mallopt")
-        x = np.zeros(size // np.dtype(dtype).itemsize, dtype=dtype)
+        x = xp.zeros(size // np.dtype(dtype).itemsize, dtype=dtype)
         iters = {k: _calibrate(comm, fn, x, batch_time) for k, fn in todo.items()}
         samples: dict[str, list[float]] = {k: [] for k in todo}
         for _ in range(repeat):
@@ -268,14 +292,16 @@ def main(args: argparse.Namespace) -> int:
             print(f"mpidl bench: unknown algorithm(s) {unknown}; valid: {', '.join(collectives.ALGORITHMS)}",
                   file=sys.stderr)
         return 2
-    results = run(sizes, names, args.dtype, args.repeat, args.batch_time, not args.no_validate, args.tuned_malloc)
+    results = run(sizes, names, args.dtype, args.repeat, args.batch_time, not args.no_validate, args.tuned_malloc,
+                  device=args.device)
     if comm.Get_rank() == 0:
         prm = costmodel.params_for(comm, layout(comm), context(comm).cache)
         meta = {"ranks": comm.Get_size(), "dtype": args.dtype, "validate": not args.no_validate,
+                "device": args.device if args.device == "cpu" else f"cuda, transport {gpu.PATH}",
                 "layout": str(layout(comm)), "costmodel": str(prm),
                 "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
                 "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split())}
-        print(f"# mpidl bench: {meta['ranks']} ranks, {meta['dtype']}, {meta['mpi']}, validation "
+        print(f"# mpidl bench: {meta['ranks']} ranks, {meta['dtype']} on {meta['device']}, {meta['mpi']}, validation "
               f"{'on' if meta['validate'] else 'off'}, GLIBC_TUNABLES={meta['GLIBC_TUNABLES'] or '(unset)'}")
         print(f"# {meta['layout']}; cost model: {meta['costmodel']}")
         print(table(results, comm.Get_size()))

@@ -8,6 +8,7 @@ import platform
 import mpi4py
 import numpy as np
 
+from collectives import gpu
 from collectives.layout import layout
 
 from . import __version__
@@ -38,6 +39,7 @@ def report() -> list[tuple[str, str]]:
         ("nodes", str(lay.nodes)),
         ("ranks per node", " ".join(map(str, lay.ranks_per_node))),
         ("hosts", ", ".join(sorted(set(hosts)))),
+        ("GPU transport", str(gpu.configure(comm))),
     ]
 
 

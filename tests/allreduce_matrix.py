@@ -43,23 +43,33 @@ def rank_input(rank: int, length: int, op: str) -> np.ndarray:
     return v
 
 
-def make_buffer(values: np.ndarray, dtype: str):
-    """A buffer of ``dtype`` holding ``values`` (a torch tensor for bfloat16)."""
-    if dtype == "bfloat16":
+def make_buffer(values: np.ndarray, dtype: str, device: str = "cpu"):
+    """A buffer of ``dtype`` holding ``values``: numpy (CuPy on "cuda"), or a torch
+    tensor for bfloat16; on "cuda" every fourth float32 case is a CUDA tensor."""
+    if dtype == "bfloat16" or (device == "cuda" and dtype == "float32" and len(values) % 4 == 1):
         import torch
 
-        return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16)
+        t = torch.from_numpy(values.astype(np.float32)).to(getattr(torch, dtype))
+        return t.to(device) if device == "cuda" else t
+    if device == "cuda":
+        import cupy
+
+        return cupy.asarray(values.astype(dtype))
     return values.astype(dtype)
 
 
-def as_float64(buf) -> np.ndarray:
+def to_host(buf) -> np.ndarray:
+    """The buffer's values as a float64 numpy array."""
     if isinstance(buf, np.ndarray):
         return buf.astype(np.float64)
-    return buf.float().numpy().astype(np.float64)
+    if type(buf).__module__.startswith("cupy"):
+        return buf.get().astype(np.float64)
+    return buf.float().cpu().numpy().astype(np.float64)
 
 
 def raw_bytes(buf) -> bytes:
-    return collectives.as_flat(buf).data.tobytes()
+    data = collectives.as_flat(buf).data
+    return (data if isinstance(data, np.ndarray) else data.get()).tobytes()
 
 
 def available_dtypes() -> list[str]:
@@ -72,10 +82,12 @@ def available_dtypes() -> list[str]:
 
 
 def check(comm: MPI.Comm, algorithms: Iterable[str], dtypes: Iterable[str],
-          ops: Iterable[str] = collectives.OPS, lengths: Sequence[int] | None = None, **options) -> list[str]:
+          ops: Iterable[str] = collectives.OPS, lengths: Sequence[int] | None = None,
+          device: str = "cpu", **options) -> list[str]:
     """Run the matrix on ``comm``; return this rank's failure messages (collective).
 
-    ``options`` (layout=, grid=) are passed to every all-reduce.
+    ``device`` "cuda" uses CuPy arrays and CUDA tensors; ``options``
+    (layout=, grid=) are passed to every all-reduce.
     """
     failures: list[str] = []
     n, rank = comm.Get_size(), comm.Get_rank()
@@ -85,18 +97,18 @@ def check(comm: MPI.Comm, algorithms: Iterable[str], dtypes: Iterable[str],
                 if op == "avg" and dtype in INT_DTYPES:
                     continue
                 for length in lengths or lengths_for(n):
-                    failures += _one(comm, algorithm, dtype, op, length, n, rank, options)
+                    failures += _one(comm, algorithm, dtype, op, length, n, rank, device, options)
     return failures
 
 
 def _one(comm: MPI.Comm, algorithm: str, dtype: str, op: str, length: int, n: int, rank: int,
-         options: dict) -> list[str]:
-    case = f"{algorithm} {op} {dtype} n={n} len={length} {options or ''}"
+         device: str, options: dict) -> list[str]:
+    case = f"{algorithm} {op} {dtype} {device} n={n} len={length} {options or ''}"
     mine = rank_input(rank, length, op)
-    buf = make_buffer(mine, dtype)
+    buf = make_buffer(mine, dtype, device)
     everyone = np.array(comm.allgather(mine)).reshape(n, length)
     out = collectives.allreduce(buf, comm, op=op, algorithm=algorithm, **options)
-    got = as_float64(buf)
+    got = to_host(buf)
     agree = len(set(comm.allgather(raw_bytes(buf)))) == 1
     problems = [] if out is buf else [f"{case}: did not return the caller's buffer"]
     if not agree:
@@ -104,8 +116,8 @@ def _one(comm: MPI.Comm, algorithm: str, dtype: str, op: str, length: int, n: in
     if dtype in INT_DTYPES:
         ref = mine.astype(dtype)
         comm.Allreduce(MPI.IN_PLACE, ref, op=MPI_OPS[op])
-        if not np.array_equal(buf, ref):
-            problems.append(f"{case}: {buf.tolist()} != MPI_Allreduce {ref.tolist()}")
+        if not np.array_equal(got, ref):
+            problems.append(f"{case}: {got.tolist()} != MPI_Allreduce {ref.tolist()}")
     else:
         ref = {"sum": np.sum, "avg": np.mean, "min": np.min, "max": np.max, "prod": np.prod}[op](everyone, axis=0)
         if not np.allclose(got, ref, rtol=RTOL[dtype], atol=RTOL[dtype]):
@@ -118,14 +130,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--algorithms", default=",".join(collectives.ALGORITHMS))
     parser.add_argument("--layout", help="ranks per node override, e.g. 2 or 3,1")
     parser.add_argument("--grid", help="X,Y for torus2d")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
     options = {k: v for k, v in (("layout", args.layout),
                                  ("grid", tuple(map(int, args.grid.split(","))) if args.grid else None)) if v}
-    failures = check(comm, args.algorithms.split(","), available_dtypes(), **options)
+    failures = check(comm, args.algorithms.split(","), available_dtypes(), device=args.device, **options)
     everyone = [f"rank {r}: {f}" for r, fs in enumerate(comm.gather(failures) or []) for f in fs]
     if comm.Get_rank() == 0:
-        print("\n".join(everyone[:50]) or f"all-reduce matrix passed on {comm.Get_size()} ranks")
+        print("\n".join(everyone[:50]) or f"all-reduce matrix passed on {comm.Get_size()} ranks ({args.device})")
     return int(bool(comm.bcast(everyone)))
 
 

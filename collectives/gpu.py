@@ -1,0 +1,259 @@
+"""Device buffers: CuPy arrays and CUDA torch tensors, and how they reach MPI.
+
+Buffers. A CuPy array is used as is; a CUDA torch tensor is viewed through
+DLPack (``cupy.from_dlpack``), so both alias the caller's device memory and
+nothing is copied. Reductions on them run on the device (CuPy ufuncs with
+``out=``, on the current stream).
+
+Transport, one of two paths for the whole process:
+
+* ``direct``: the MPI library is GPU-aware; device pointers go to MPI as they
+  are (mpi4py reads ``__cuda_array_interface__``).
+* ``staged``: every message is copied through reusable pinned host buffers
+  (device -> pinned, MPI on the host, pinned -> device).
+
+Either way the current CUDA stream is synchronised before MPI reads a device
+buffer. The path starts as ``staged``, which always works. :func:`configure`
+(collective; called by the first device all-reduce on a communicator and by
+``mpidl.init()``) asks the library (``MPIX_Query_cuda_support``, where it
+exists) and, if it claims support, confirms it with a tiny device-buffer
+exchange and all-reduce checked against the expected values — some builds
+claim support and then fail or return garbage. Only if every rank passes does
+the path become ``direct``; otherwise it stays ``staged`` with one warning.
+``MPIDL_GPU_DIRECT=0`` forces staging; ``=1`` skips the library query (the
+probe still runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from . import buffers, p2p
+from .buffers import FlatBuffer
+from .errors import ArgumentError
+
+
+@dataclass
+class Path:
+    """How device buffers reach MPI, and why."""
+
+    mode: str = "staged"
+    reason: str = "not probed yet (staging always works)"
+    probed: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.mode} ({self.reason})"
+
+
+PATH = Path()
+
+
+# --- buffers ------------------------------------------------------------------
+
+def _from_device(buf: Any) -> Optional[FlatBuffer]:
+    """The device-buffer adapter registered with :mod:`collectives.buffers`."""
+    module = type(buf).__module__
+    if module.startswith("cupy"):
+        return _from_cupy(buf, buf)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buf, torch.Tensor) and buf.device.type == "cuda":
+        return _from_cuda_tensor(buf)
+    return None
+
+
+def _from_cupy(arr: Any, owner: Any) -> FlatBuffer:
+    what = f"CuPy array (dtype {arr.dtype}, shape {arr.shape})"
+    buffers.check_dtype(arr.dtype.name, what)
+    buffers.check_layout(arr.flags.c_contiguous, True, what)
+    return FlatBuffer(arr.reshape(-1), arr.dtype.name, owner)
+
+
+def _from_cuda_tensor(t: Any) -> FlatBuffer:
+    import cupy
+    import torch
+
+    name = str(t.dtype).removeprefix("torch.")
+    what = f"CUDA torch tensor (dtype {name}, shape {tuple(t.shape)})"
+    buffers.check_dtype(name, what)
+    buffers.check_layout(t.is_contiguous(), True, what)
+    plain = t.detach()
+    if plain.dtype == torch.bfloat16:
+        arr = cupy.from_dlpack(plain.view(torch.int16)).view(cupy.uint16)
+    else:
+        arr = cupy.from_dlpack(plain)
+    return FlatBuffer(arr.reshape(-1), name, t)
+
+
+buffers.DEVICE_ADAPTERS.append(_from_device)
+
+
+# --- transport ----------------------------------------------------------------
+
+def _sync() -> None:
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+
+
+class _Direct:
+    """GPU-aware MPI: device pointers go to MPI after a stream synchronisation."""
+
+    def sendrecv(self, comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None:
+        _sync()
+        comm.Sendrecv([send, MPI.BYTE], dest, p2p.TAG, [recv, MPI.BYTE], source, p2p.TAG)
+
+    def send(self, comm: MPI.Comm, buf: Any, dest: int) -> None:
+        _sync()
+        comm.Send([buf, MPI.BYTE], dest, p2p.TAG)
+
+    def recv(self, comm: MPI.Comm, buf: Any, source: int) -> None:
+        comm.Recv([buf, MPI.BYTE], source, p2p.TAG)
+
+
+class _Staged:
+    """Copies through two reusable pinned host buffers (one out, one in) per thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._local = threading.local()
+
+    def _pinned(self, slot: int, nbytes: int) -> np.ndarray:
+        import cupy
+
+        cache = getattr(self._local, "pinned", None)
+        if cache is None:
+            cache = self._local.pinned = {}
+        host = cache.get(slot)
+        if host is None or host.nbytes < nbytes:
+            mem = cupy.cuda.alloc_pinned_memory(max(nbytes, 1 << 16))
+            host = cache[slot] = np.frombuffer(mem, np.uint8, mem.size())
+        return host[:nbytes]
+
+    def _to_host(self, dev: Any) -> np.ndarray:
+        host = self._pinned(0, dev.nbytes)
+        _sync()
+        dev.view(np.uint8).get(out=host)
+        return host
+
+    def _to_device(self, host: np.ndarray, dev: Any) -> None:
+        dev.view(np.uint8).set(host)  # synchronous: the pinned buffer is reused next
+
+    def sendrecv(self, comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None:
+        out = self._to_host(send)
+        into = self._pinned(1, recv.nbytes)
+        comm.Sendrecv([out, MPI.BYTE], dest, p2p.TAG, [into, MPI.BYTE], source, p2p.TAG)
+        self._to_device(into, recv)
+
+    def send(self, comm: MPI.Comm, buf: Any, dest: int) -> None:
+        comm.Send([self._to_host(buf), MPI.BYTE], dest, p2p.TAG)
+
+    def recv(self, comm: MPI.Comm, buf: Any, source: int) -> None:
+        into = self._pinned(1, buf.nbytes)
+        comm.Recv([into, MPI.BYTE], source, p2p.TAG)
+        self._to_device(into, buf)
+
+
+def _install(mode: str) -> None:
+    import cupy
+
+    p2p.DEVICE_TRANSPORTS[cupy.ndarray] = _Direct() if mode == "direct" else _Staged()
+    PATH.mode = mode
+
+
+# --- detection ----------------------------------------------------------------
+
+def query_cuda_support() -> Optional[bool]:
+    """What the MPI library says (``MPIX_Query_cuda_support``), or None if it has no such call."""
+    for path in _loaded_mpi_libraries():
+        try:
+            fn = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return bool(fn())
+    return None
+
+
+def _loaded_mpi_libraries() -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libmpi" in line and ".so" in line}
+    except OSError:
+        return []
+    return sorted(paths)
+
+
+def available() -> bool:
+    """Whether CuPy imports and sees at least one GPU."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # ImportError, or a CUDA runtime error without a driver/GPU
+        return False
+
+
+def configure(comm: MPI.Comm) -> Path:
+    """Decide the device transport for this process, the same on every rank (collective).
+
+    Idempotent: later calls return the decision already made.
+    """
+    if PATH.probed:
+        return PATH
+    if not available():
+        PATH.mode, PATH.reason, PATH.probed = "none", "no CUDA device or CuPy not installed", True
+        return PATH
+    forced = os.environ.get("MPIDL_GPU_DIRECT", "").strip()
+    claims = query_cuda_support()
+    if forced == "0":
+        ok, why = False, "forced by MPIDL_GPU_DIRECT=0"
+    elif claims is False and forced != "1":
+        ok, why = False, "MPIX_Query_cuda_support() = 0: the MPI library is not GPU-aware"
+    else:
+        passed = _probe(comm)
+        ok = bool(comm.allreduce(passed, op=MPI.LAND))
+        said = {None: "the library has no MPIX_Query_cuda_support", True: "MPIX_Query_cuda_support() = 1"}[claims]
+        why = (f"{said}; confirmed by a device send/receive and all-reduce" if ok else
+               f"{said}, but the device-buffer probe failed on some rank")
+    ok = bool(comm.allreduce(ok, op=MPI.LAND))
+    _install("direct" if ok else "staged")
+    PATH.reason, PATH.probed = why if ok else f"{why}; staging through pinned host memory", True
+    if not ok and comm.Get_rank() == 0:
+        warnings.warn(f"mpidl: device buffers are staged through host memory: {PATH.reason}", stacklevel=2)
+    return PATH
+
+
+def _probe(comm: MPI.Comm) -> bool:
+    """Exchange and all-reduce tiny device buffers with raw MPI; True if the values are right."""
+    import cupy
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    try:
+        send = cupy.arange(4, dtype=cupy.int32) + rank
+        recv = cupy.zeros(4, dtype=cupy.int32)
+        _sync()
+        comm.Sendrecv([send, MPI.INT], (rank + 1) % size, 0x6D73, [recv, MPI.INT], (rank - 1) % size, 0x6D73)
+        total = cupy.zeros(4, dtype=cupy.int32)
+        comm.Allreduce([send, MPI.INT], [total, MPI.INT], op=MPI.SUM)
+        expected_total = np.arange(4) * size + size * (size - 1) // 2
+        return (bool((recv.get() == np.arange(4) + (rank - 1) % size).all())
+                and bool((total.get() == expected_total).all()))
+    except Exception:  # an MPI error or a CUDA error: either way, not usable
+        return False
+
+
+def ensure(comm: MPI.Comm, flat: FlatBuffer) -> None:
+    """Make sure a device path is chosen before ``flat`` (a device buffer) is communicated."""
+    if not PATH.probed and type(flat.data) is not np.ndarray:
+        configure(comm)
+    if PATH.mode == "none" and type(flat.data) is not np.ndarray:
+        raise ArgumentError("a device buffer was given but no CUDA device is usable")
