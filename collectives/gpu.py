@@ -13,7 +13,8 @@ Transport, one of two paths for the whole process:
   (device -> pinned, MPI on the host, pinned -> device).
 
 Either way the current CUDA stream is synchronised before MPI reads a device
-buffer. The path starts as ``staged``, which always works. :func:`configure`
+buffer, and before a received message overwrites one (a reduction kernel
+queued on the stream may still be reading it). The path starts as ``staged``, which always works. :func:`configure`
 (collective; called by the first device all-reduce on a communicator and by
 ``mpidl.init()``) asks the library (``MPIX_Query_cuda_support``, where it
 exists) and, if it claims support, confirms it with a tiny device-buffer
@@ -115,6 +116,7 @@ class _Direct:
         comm.Send([buf, MPI.BYTE], dest, p2p.TAG)
 
     def recv(self, comm: MPI.Comm, buf: Any, source: int) -> None:
+        _sync()  # kernels still reading ``buf`` must finish before MPI overwrites it
         comm.Recv([buf, MPI.BYTE], source, p2p.TAG)
 
 
@@ -145,6 +147,7 @@ class _Staged:
         return host
 
     def _to_device(self, host: np.ndarray, dev: Any) -> None:
+        _sync()  # kernels still reading ``dev`` (the last combine) must finish first
         dev.view(np.uint8).set(host)  # synchronous: the pinned buffer is reused next
 
     def sendrecv(self, comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None:
