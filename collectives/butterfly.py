@@ -22,18 +22,14 @@ from typing import Any
 from mpi4py import MPI
 
 from .fold import fold
+from .exchange import sendrecv_combine
 from .ops import Reduction
-from .p2p import sendrecv
-from .scratch import scratch
 
 
 def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
     """Reduce ``x`` in place across ``comm`` by recursive doubling."""
     f = fold(comm)
     f.fold_in(x, comm, red)
-    if f.peers:
-        tmp = scratch(x, x.shape[0])
-        for peer in f.peers:
-            sendrecv(comm, x, peer, tmp, peer)
-            red.combine(x, tmp, src_first=peer < f.rank)
+    for peer in f.peers:
+        sendrecv_combine(comm, x, peer, x, peer, red, src_first=peer < f.rank)
     f.fold_out(x, comm)

@@ -26,9 +26,9 @@ from mpi4py import MPI
 
 from .chunks import chunk_bounds
 from .fold import fold
+from .exchange import sendrecv_combine
 from .ops import Reduction
 from .p2p import sendrecv
-from .scratch import scratch
 
 
 def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
@@ -38,17 +38,14 @@ def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
     if f.peers:
         me = f.newrank
         bounds = chunk_bounds(x.shape[0], f.pof2)
-        tmp = scratch(x, bounds[f.pof2 // 2] + 1)
         lo, hi = 0, f.pof2  # the block range this rank is responsible for
         mask = f.pof2 >> 1
         while mask:
             peer = f.peers[mask.bit_length() - 1]
             mid = (lo + hi) // 2
             (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if (me & mask) == 0 else ((mid, hi), (lo, mid))
-            keep = x[bounds[klo]:bounds[khi]]
-            got = tmp[: keep.shape[0]]
-            sendrecv(comm, x[bounds[slo]:bounds[shi]], peer, got, peer)
-            red.combine(keep, got, src_first=peer < f.rank)
+            sendrecv_combine(comm, x[bounds[slo]:bounds[shi]], peer, x[bounds[klo]:bounds[khi]], peer, red,
+                             src_first=peer < f.rank)
             lo, hi = klo, khi
             mask >>= 1
         mask = 1

@@ -24,9 +24,9 @@ from typing import Any
 from mpi4py import MPI
 
 from .chunks import chunk_bounds
+from .exchange import sendrecv_combine
 from .ops import Reduction
 from .p2p import sendrecv
-from .scratch import scratch
 
 
 def reduce_scatter(x: Any, comm: MPI.Comm, red: Reduction) -> None:
@@ -40,13 +40,10 @@ def reduce_scatter(x: Any, comm: MPI.Comm, red: Reduction) -> None:
         return
     bounds = chunk_bounds(x.shape[0], p)
     right, left = (r + 1) % p, (r - 1) % p
-    tmp = scratch(x, -(-x.shape[0] // p))  # the largest chunk
     for s in range(p - 1):
         out_c, in_c = (r - s - 1) % p, (r - s - 2) % p
-        lo, hi = bounds[in_c], bounds[in_c + 1]
-        got = tmp[: hi - lo]
-        sendrecv(comm, x[bounds[out_c]:bounds[out_c + 1]], right, got, left)
-        red.combine(x[lo:hi], got, src_first=True)
+        sendrecv_combine(comm, x[bounds[out_c]:bounds[out_c + 1]], right,
+                         x[bounds[in_c]:bounds[in_c + 1]], left, red, src_first=True)
 
 
 def allgather(x: Any, comm: MPI.Comm) -> None:

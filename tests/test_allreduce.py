@@ -21,6 +21,18 @@ def test_matrix_small_communicators(algorithm: str, size: int) -> None:
     assert all_ok(MPI.COMM_WORLD, not failures), "\n".join(failures[:20])
 
 
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_segment_boundaries(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large blocks are received and combined in segments: make segments tiny and odd-sized."""
+    from collectives import exchange
+
+    monkeypatch.setattr(exchange, "SEGMENT", 24)
+    comm = comm_of_size(size)
+    failures = gather_failures(comm, check(comm, ["ring", "halving_doubling", "butterfly", "torus2d"],
+                                           ["float16", "float64", "int32"], ["sum", "max"], [0, 1, 5, 17, 100]))
+    assert all_ok(MPI.COMM_WORLD, not failures), "\n".join(failures[:20])
+
+
 @pytest.mark.parametrize("size", [5, 6, 7, 8])
 def test_matrix_large_communicators(size: int) -> None:
     """5..8 ranks do not fit the test launch: run the matrix under its own mpiexec."""

@@ -1,0 +1,41 @@
+"""The step every reducing algorithm repeats: send a block, receive the matching
+block from a peer and combine it into place, in cache-sized segments.
+
+Receiving a whole chunk into scratch memory and then combining it reads and
+writes the chunk through main memory twice; receiving and combining one
+segment at a time keeps the scratch in cache. Measured on 2 ranks of one
+machine (MPICH wheel): a 64 MiB ring all-reduce took 17.9 ms unsegmented and
+14.5 ms with 256 KiB segments (16 MiB: 4.5 -> 4.1 ms).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpi4py import MPI
+
+from .ops import Reduction
+from .p2p import sendrecv
+from .scratch import scratch
+
+#: Segment size in bytes.
+SEGMENT = 256 << 10
+
+
+def sendrecv_combine(comm: MPI.Comm, send: Any, dest: int, into: Any, source: int, red: Reduction,
+                     src_first: bool) -> None:
+    """Send ``send`` to ``dest`` while receiving from ``source`` a block as long as
+    ``into`` and combining it into ``into`` (``into <- op(received, into)`` if
+    ``src_first``, else ``op(into, received)``).
+
+    The peer must call it with the mirror-image lengths (its ``send`` as long
+    as this ``into``): both sides cut their blocks into the same segments.
+    """
+    step = max(1, SEGMENT // into.itemsize)
+    tmp = scratch(into, min(step, into.shape[0]))
+    ns, nr = send.shape[0], into.shape[0]
+    for off in range(0, max(ns, nr, 1), step):
+        got = into[off:off + step]
+        buf = tmp[:got.shape[0]]
+        sendrecv(comm, send[off:off + step], dest, buf, source)
+        red.combine(got, buf, src_first)

@@ -1,0 +1,156 @@
+"""The stall inspector: a blocked operation is reported, and past a limit the job ends.
+
+Every blocking transfer of the collectives (:mod:`collectives.p2p`) records,
+in a per-thread slot, which operation it belongs to, on which communicator,
+and which peers it waits for. A daemon thread looks at the slots once a
+second (or more often for short limits):
+
+* a transfer blocked for longer than ``warn`` seconds is logged once, as a
+  warning on the ``collectives.watchdog`` logger and on stderr, naming the
+  operation, this rank and the peers (as ranks of ``MPI.COMM_WORLD``);
+* one blocked for longer than ``abort`` seconds ends the whole job:
+  the message goes to stderr and ``MPI_Abort`` is called on
+  ``MPI.COMM_WORLD`` with exit code 3, so the launcher (mpiexec, srun) stops
+  every rank instead of letting the job hang until its allocation runs out.
+
+Limits come from ``MPIDL_STALL_WARN`` (default 60 s) and
+``MPIDL_STALL_ABORT`` (default 0, off, for library use; the ``mpidl``
+commands default to 600 s) or :func:`configure`; 0 switches either off.
+The bookkeeping costs two attribute writes per message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+from mpi4py import MPI
+
+log = logging.getLogger("collectives.watchdog")
+
+ABORT_EXIT_CODE = 3
+
+
+class Slot:
+    """What one thread is blocked on (``since`` is 0.0 when it is not)."""
+
+    __slots__ = ("operation", "comm", "peers", "since", "reported", "thread")
+
+    def __init__(self) -> None:
+        self.operation = "a collective operation"
+        self.comm: Optional[MPI.Comm] = None
+        self.peers: Sequence[int] = ()
+        self.since = 0.0
+        self.reported = 0.0
+        self.thread = threading.current_thread().name
+
+
+def _limit(name: str, default: float) -> float:
+    try:
+        return max(0.0, float(os.environ.get(name, default)))
+    except ValueError:
+        return default
+
+
+_warn = _limit("MPIDL_STALL_WARN", 60.0)
+_abort = _limit("MPIDL_STALL_ABORT", 0.0)
+_slots: list[Slot] = []
+_local = threading.local()
+_lock = threading.Lock()
+_thread: Optional[threading.Thread] = None
+
+
+def configure(warn: Optional[float] = None, abort: Optional[float] = None, *, keep_env: bool = True) -> None:
+    """Set the limits in seconds (0 = off). With ``keep_env``, a limit set in the
+    environment wins over the one given here (the commands pass their defaults
+    this way)."""
+    global _warn, _abort
+    if warn is not None and not (keep_env and "MPIDL_STALL_WARN" in os.environ):
+        _warn = max(0.0, warn)
+    if abort is not None and not (keep_env and "MPIDL_STALL_ABORT" in os.environ):
+        _abort = max(0.0, abort)
+
+
+def limits() -> tuple[float, float]:
+    """The current (warn, abort) limits in seconds."""
+    return _warn, _abort
+
+
+def slot() -> Slot:
+    """This thread's slot (created and watched on first use)."""
+    s = getattr(_local, "slot", None)
+    if s is None:
+        s = _local.slot = Slot()
+        with _lock:
+            _slots.append(s)
+        _ensure_thread()
+    return s
+
+
+class operation:
+    """Context manager naming the operation this thread's transfers belong to."""
+
+    __slots__ = ("name", "slot", "previous")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> "operation":
+        self.slot = slot()
+        self.previous = self.slot.operation
+        self.slot.operation = self.name
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.slot.operation = self.previous
+
+
+def _ensure_thread() -> None:
+    global _thread
+    with _lock:
+        if _thread is None and (_warn or _abort):
+            _thread = threading.Thread(target=_watch, name="mpidl-watchdog", daemon=True)
+            _thread.start()
+
+
+def _world_ranks(comm: Optional[MPI.Comm], peers: Sequence[int]) -> list[int]:
+    if comm is None or comm == MPI.COMM_NULL:
+        return list(peers)
+    try:
+        return list(MPI.Group.Translate_ranks(comm.Get_group(), list(peers), MPI.COMM_WORLD.Get_group()))
+    except MPI.Exception:
+        return list(peers)
+
+
+def describe(s: Slot, age: float) -> str:
+    """The report for a slot blocked for ``age`` seconds."""
+    peers = ", ".join(map(str, sorted(set(_world_ranks(s.comm, s.peers))))) or "?"
+    return (f"mpidl: rank {MPI.COMM_WORLD.Get_rank()} ({s.thread}) has waited {age:.0f} s in {s.operation} "
+            f"for rank(s) {peers} of MPI_COMM_WORLD")
+
+
+def _watch() -> None:
+    while True:
+        warn, abort = _warn, _abort
+        time.sleep(max(0.05, min(1.0, (min(x for x in (warn, abort) if x) if warn or abort else 1.0) / 4)))
+        now = time.perf_counter()
+        with _lock:
+            slots = list(_slots)
+        for s in slots:
+            since = s.since
+            if not since:
+                continue
+            age = now - since
+            if abort and age > abort:
+                print(f"{describe(s, age)}; aborting the job (stall limit MPIDL_STALL_ABORT={abort:g} s)",
+                      file=sys.stderr, flush=True)
+                MPI.COMM_WORLD.Abort(ABORT_EXIT_CODE)
+            if warn and age > warn and s.reported != since:
+                s.reported = since
+                message = describe(s, age) + (f"; the job aborts after {abort:g} s" if abort else "")
+                log.warning("%s", message)
+                print(message, file=sys.stderr, flush=True)
