@@ -31,5 +31,5 @@ def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
     f = fold(comm)
     f.fold_in(x, comm, red)
     for peer in f.peers:
-        sendrecv_combine(comm, x, peer, x, peer, red, src_first=peer < f.rank)
+        sendrecv_combine(comm, x, peer, x, peer, red, peer < f.rank, x.shape[0])
     f.fold_out(x, comm)

@@ -23,18 +23,19 @@ SEGMENT = 256 << 10
 
 
 def sendrecv_combine(comm: MPI.Comm, send: Any, dest: int, into: Any, source: int, red: Reduction,
-                     src_first: bool) -> None:
+                     src_first: bool, longest: int) -> None:
     """Send ``send`` to ``dest`` while receiving from ``source`` a block as long as
     ``into`` and combining it into ``into`` (``into <- op(received, into)`` if
     ``src_first``, else ``op(into, received)``).
 
-    The peer must call it with the mirror-image lengths (its ``send`` as long
-    as this ``into``): both sides cut their blocks into the same segments.
+    Blocks are cut into segments; every rank taking part must pass the same
+    ``longest`` (an upper bound on every block of the exchange, e.g. the
+    largest chunk), so that all send and receive the same number of segments,
+    the shorter blocks' last ones empty.
     """
     step = max(1, SEGMENT // into.itemsize)
     tmp = scratch(into, min(step, into.shape[0]))
-    ns, nr = send.shape[0], into.shape[0]
-    for off in range(0, max(ns, nr, 1), step):
+    for off in range(0, max(longest, 1), step):
         got = into[off:off + step]
         buf = tmp[:got.shape[0]]
         sendrecv(comm, send[off:off + step], dest, buf, source)

@@ -44,8 +44,8 @@ def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
             peer = f.peers[mask.bit_length() - 1]
             mid = (lo + hi) // 2
             (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if (me & mask) == 0 else ((mid, hi), (lo, mid))
-            sendrecv_combine(comm, x[bounds[slo]:bounds[shi]], peer, x[bounds[klo]:bounds[khi]], peer, red,
-                             src_first=peer < f.rank)
+            send, keep = x[bounds[slo]:bounds[shi]], x[bounds[klo]:bounds[khi]]
+            sendrecv_combine(comm, send, peer, keep, peer, red, peer < f.rank, max(send.shape[0], keep.shape[0]))
             lo, hi = klo, khi
             mask >>= 1
         mask = 1

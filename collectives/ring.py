@@ -40,10 +40,11 @@ def reduce_scatter(x: Any, comm: MPI.Comm, red: Reduction) -> None:
         return
     bounds = chunk_bounds(x.shape[0], p)
     right, left = (r + 1) % p, (r - 1) % p
+    longest = -(-x.shape[0] // p)
     for s in range(p - 1):
         out_c, in_c = (r - s - 1) % p, (r - s - 2) % p
         sendrecv_combine(comm, x[bounds[out_c]:bounds[out_c + 1]], right,
-                         x[bounds[in_c]:bounds[in_c + 1]], left, red, src_first=True)
+                         x[bounds[in_c]:bounds[in_c + 1]], left, red, True, longest)
 
 
 def allgather(x: Any, comm: MPI.Comm) -> None:
