@@ -103,7 +103,7 @@ class Group:
     started: Optional[float] = None
     served: dict[int, float] = field(default_factory=dict)
     running: set[int] = field(default_factory=set)
-    reported: bool = False  # its wait has been traced
+    reported: bool = field(default=False, repr=False)  # its wait has been traced
 
 
 def check_policy(policy: str) -> None:
@@ -197,17 +197,17 @@ class GroupGenerator:
             raise ArgumentError(f"worker {worker} cannot request a group: it {state}")
         if self.policy == "smart":
             self._waiting[worker] = self._clock()
-            self._log(f"request w{worker}; waiting {self._workers(self._waiting)}")
+            self._log(f"request w{worker}; waiting {workers(self._waiting)}, a group needs {self.group_size} idle")
             return self._schedule()
         queued = next((g for g in self._queue if worker in g.members), None)
         if queued is not None:
-            self._log(f"request w{worker}: already in pending g{queued.gid} {self._workers(queued.members)}, "
+            self._log(f"request w{worker}: already in pending g{queued.gid} {workers(queued.members)}, "
                       "which will serve it")
         else:
             queued = Group(self._next_gid, self._drawn(worker), worker, self._clock())
             self._next_gid += 1
             self._queue.append(queued)
-            self._log(f"request w{worker}: drew g{queued.gid} {self._workers(queued.members)}")
+            self._log(f"request w{worker}: drew g{queued.gid} {workers(queued.members)}")
         self._waiting[worker] = self._clock()
         return self._schedule()
 
@@ -259,8 +259,8 @@ class GroupGenerator:
                     group.reported = True
                     why = ", ".join(f"w{m} " + (f"locked by g{self._lock[m]}" if self._lock[m] is not None
                                                  else "claimed by an earlier pending group") for m in busy)
-                    self._log(f"g{group.gid} {self._workers(group.members)} waits: {why}; "
-                              f"queue {[f'g{g.gid}' for g in self._queue]}")
+                    self._log(f"g{group.gid} {workers(group.members)} waits: {why}; "
+                              f"queue [{', '.join(f'g{g.gid}' for g in self._queue)}]")
                 continue
             self._queue.remove(group)
             self._start(group)
@@ -276,7 +276,7 @@ class GroupGenerator:
             self._lock[m] = group.gid
         self._active[group.gid] = group
         waits = ", ".join(f"w{m} after {t:.6f} s" for m, t in group.served.items())
-        self._log(f"start g{group.gid} {self._workers(group.members)} for w{group.requester}; "
+        self._log(f"start g{group.gid} {workers(group.members)} for w{group.requester}; "
                   f"serves {waits or 'no request'}; locks {self._vector()}")
 
     def _drawn(self, worker: int) -> tuple[int, ...]:
@@ -297,13 +297,14 @@ class GroupGenerator:
     def _vector(self) -> str:
         return "[" + ",".join(map(str, self.locks)) + "]"
 
-    @staticmethod
-    def _workers(ws: Iterable[int]) -> str:
-        return "{" + ",".join(f"w{w}" for w in ws) + "}"
-
     def _log(self, line: str) -> None:
         if self._trace is not None:
             self._trace(f"[gg {self._clock() - self._t0:10.6f}] {line}")
+
+
+def workers(ws: Iterable[int]) -> str:
+    """Workers as the trace writes them: {w0,w2,w4}."""
+    return "{" + ",".join(f"w{w}" for w in ws) + "}"
 
 
 def static_groups(n: int, group_size: int, period_index: int, seed: int = 0) -> tuple[tuple[int, ...], ...]:
