@@ -75,7 +75,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import validation
-from .api import ALGORITHMS, DEFAULT_ALGORITHM
+from .api import ALGORITHMS, DEFAULT_ALGORITHM, Kernel
 from .buffers import DTYPES, array_module, as_flat
 from .context import context
 from .errors import ArgumentError, CollectiveError
@@ -160,16 +160,7 @@ class PReduce:
         try:
             self._flat = as_flat(buf)
             self._red = reduction("avg", self._flat.dtype, array_module(self._flat.data))
-            self._kernel = ALGORITHMS.get(algorithm)
-            if self._kernel is None:
-                raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
-            check_policy(policy)
-            check_group_size(group_size, self.size)
-            for name, value, low in (("period", period, 1), ("seed", seed, 0)):
-                if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                    raise ArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
-            if not isinstance(service_rank, int) or not 0 <= service_rank < self.size:
-                raise ArgumentError(f"service_rank must be a rank in 0..{self.size - 1}, got {service_rank!r}")
+            self._kernel = _check_options(self.size, algorithm, policy, group_size, period, seed, service_rank)
         except ArgumentError as exc:
             problem = exc
         if validation.enabled(validate):
@@ -298,6 +289,22 @@ class PReduce:
     def _tell(self, kind: int, arg: int = 0) -> None:
         self._outbox[0], self._outbox[1] = kind, arg
         self._ctl.Send([self._outbox, MPI.INT64_T], self._service_rank, TO_GG)
+
+
+def _check_options(size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int,
+                   service_rank: int) -> Kernel:
+    """Raise ArgumentError for a bad option; return the kernel of ``algorithm``."""
+    kernel = ALGORITHMS.get(algorithm)
+    if kernel is None:
+        raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+    check_policy(policy)
+    check_group_size(group_size, size)
+    for name, value, low in (("period", period, 1), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+    if isinstance(service_rank, bool) or not isinstance(service_rank, int) or not 0 <= service_rank < size:
+        raise ArgumentError(f"service_rank must be a rank in 0..{size - 1}, got {service_rank!r}")
+    return kernel
 
 
 class _Service:
