@@ -131,7 +131,8 @@ class PReduce:
             accepts; floating-point). It stays bound: every ``average()``
             overwrites it in place, and drafts run on it too.
         comm: the workers (default ``MPI.COMM_WORLD``).
-        group_size: members per group, 1..comm size.
+        group_size: members per group, 1..comm size (default: pairs, or 1
+            on a single rank).
         policy: "random", "smart" or "static" (see
             :mod:`collectives.group_generator`).
         period: static only: iterations a partition is kept before it rotates.
@@ -149,12 +150,14 @@ class PReduce:
         ArgumentError: bad or disagreeing arguments, on every rank.
     """
 
-    def __init__(self, buf: Any, comm: Optional[MPI.Comm] = None, *, group_size: int = 2,
+    def __init__(self, buf: Any, comm: Optional[MPI.Comm] = None, *, group_size: Optional[int] = None,
                  policy: str = "random", period: int = 1, seed: int = 0,
                  algorithm: str = DEFAULT_ALGORITHM, service_rank: int = 0,
                  trace: TraceSpec = None, validate: Optional[bool] = None) -> None:
         ctx = context(MPI.COMM_WORLD if comm is None else comm)
         self.rank, self.size = ctx.rank, ctx.size
+        if group_size is None:
+            group_size = min(2, self.size)
         options = f"group_size={group_size} policy={policy} period={period} seed={seed} service_rank={service_rank}"
         problem = None
         try:
