@@ -13,8 +13,8 @@ Protocol (``random``/``smart``; ``static`` needs no messages to GG):
 2. GG answers each member of every group it starts with NOTIFY(group id,
    members, "serves your request");
 3. w takes its notifications one by one, in the order GG sent them: runs
-   the group's all-reduce among the members (any kernel of
-   :data:`collectives.ALGORITHMS`, on a :class:`~collectives.group_comm.GroupComm`
+   the group's all-reduce among the members (a kernel of
+   :data:`GROUP_KERNELS`, on a :class:`~collectives.group_comm.GroupComm`
    of a private duplicate of the caller's communicator — no communicator is
    created per group), divides by the group size, and sends DONE(group id);
 4. w returns after the group that serves its request. Groups it was drafted
@@ -74,9 +74,9 @@ from typing import Any, Optional, TextIO, Union
 import numpy as np
 from mpi4py import MPI
 
-from . import validation
-from .api import ALGORITHMS, DEFAULT_ALGORITHM, Kernel
-from .buffers import DTYPES, array_module, as_flat
+from . import butterfly, gpu, halving_doubling, reduce_broadcast, ring, validation
+from .api import Kernel
+from .buffers import array_module, as_flat
 from .context import context
 from .errors import ArgumentError, CollectiveError
 from .group_comm import GroupComm
@@ -92,6 +92,15 @@ TO_GG, TO_WORKER = 1, 2
 #: Environment variable that switches the GG trace on: "1" or "stderr",
 #: "stdout", or a file path (appended to).
 TRACE_ENV = "MPIDL_GG_TRACE"
+
+#: The all-reduce kernels a group can run: those that need nothing but the
+#: group's ranks (the topology-aware ones would need per-group communicators).
+GROUP_KERNELS: dict[str, Kernel] = {
+    "ring": ring.allreduce,
+    "halving_doubling": halving_doubling.allreduce,
+    "butterfly": butterfly.allreduce,
+    "reduce_broadcast": reduce_broadcast.allreduce,
+}
 
 #: How many group adaptors a worker keeps.
 _GROUP_CACHE = 256
@@ -138,7 +147,7 @@ class PReduce:
         period: static only: iterations a partition is kept before it rotates.
         seed: seed of the random draws / the static schedule (>= 0).
         algorithm: the all-reduce kernel run within a group, a name in
-            :data:`collectives.ALGORITHMS`.
+            :data:`GROUP_KERNELS`.
         service_rank: the rank whose thread runs GG.
         trace: GG trace: True/"stderr", "stdout", a file path, an open text
             stream, or False; None reads ``MPIDL_GG_TRACE``. Written by
@@ -152,7 +161,7 @@ class PReduce:
 
     def __init__(self, buf: Any, comm: Optional[MPI.Comm] = None, *, group_size: Optional[int] = None,
                  policy: str = "random", period: int = 1, seed: int = 0,
-                 algorithm: str = DEFAULT_ALGORITHM, service_rank: int = 0,
+                 algorithm: str = "ring", service_rank: int = 0,
                  trace: TraceSpec = None, validate: Optional[bool] = None) -> None:
         ctx = context(MPI.COMM_WORLD if comm is None else comm)
         self.rank, self.size = ctx.rank, ctx.size
@@ -162,19 +171,23 @@ class PReduce:
         problem = None
         try:
             self._flat = as_flat(buf)
+            self._on_host = type(self._flat.data) is np.ndarray
             self._red = reduction("avg", self._flat.dtype, array_module(self._flat.data))
             self._kernel = _check_options(self.size, algorithm, policy, group_size, period, seed, service_rank)
         except ArgumentError as exc:
             problem = exc
         if validation.enabled(validate):
+            dtype = "" if problem else self._flat.dtype + ("" if self._on_host else " (device)")
             signature = (0, 0, 0, 0, 0) if problem else (
-                self._flat.size, DTYPES.index(self._flat.dtype), validation.code("avg"),
-                validation.code(algorithm), validation.code(options))
-            validation.check(ctx, "PReduce", problem, signature,
-                             ({}, dict(enumerate(DTYPES)), {}, {validation.code(a): a for a in ALGORITHMS},
-                              {validation.code(options): options}))
+                self._flat.size, validation.code(dtype), validation.code("avg"), validation.code(algorithm),
+                validation.code(options))
+            validation.check(ctx, "PReduce", problem, signature, lambda: (
+                {}, {validation.code(dtype): dtype}, {}, {validation.code(a): a for a in GROUP_KERNELS},
+                {validation.code(options): options}))
         elif problem:
             raise problem
+        if not self._on_host:
+            gpu.ensure(ctx.comm, self._flat)
         self.group_size, self.policy, self.period, self.seed = int(group_size), policy, period, seed
         self.stats = PReduceStats()
         self.last_group: Optional[tuple[int, ...]] = None  # the group that served the last average()
@@ -297,9 +310,9 @@ class PReduce:
 def _check_options(size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int,
                    service_rank: int) -> Kernel:
     """Raise ArgumentError for a bad option; return the kernel of ``algorithm``."""
-    kernel = ALGORITHMS.get(algorithm)
+    kernel = GROUP_KERNELS.get(algorithm)
     if kernel is None:
-        raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+        raise ArgumentError(f"unknown algorithm {algorithm!r}; valid for groups: {', '.join(GROUP_KERNELS)}")
     check_policy(policy)
     check_group_size(group_size, size)
     for name, value, low in (("period", period, 1), ("seed", seed, 0)):

@@ -17,7 +17,7 @@ from preduce_check import check, configs
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("algorithm", list(collectives.ALGORITHMS))
+@pytest.mark.parametrize("algorithm", list(collectives.GROUP_KERNELS))
 def test_group_comm_runs_kernels_on_concurrent_subsets(algorithm: str) -> None:
     """Even and odd ranks reduce at the same time on one communicator, each group alone."""
     world = MPI.COMM_WORLD
@@ -26,11 +26,25 @@ def test_group_comm_runs_kernels_on_concurrent_subsets(algorithm: str) -> None:
     members = tuple(range(r % 2, n, 2))
     x = np.arange(11, dtype=np.float64) * (r + 1) + r / 3
     expected = sum(np.arange(11) * (m + 1) + m / 3 for m in members)
-    collectives.ALGORITHMS[algorithm](x, GroupComm(private, members), collectives.reduction("sum", "float64"))
+    collectives.GROUP_KERNELS[algorithm](x, GroupComm(private, members), collectives.reduction("sum", "float64"))
     everyone = world.allgather(x.tobytes())
     private.Free()
     assert all_ok(world, np.allclose(x, expected, rtol=1e-14, atol=0))
     assert all_ok(world, all(everyone[m] == x.tobytes() for m in members))  # bitwise identical
+
+
+@pytest.mark.parametrize("algorithm", list(collectives.GROUP_KERNELS))
+def test_every_group_kernel_averages_bitwise_identically(algorithm: str) -> None:
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    start = [np.linspace(-1, 1, 7) * (m + 1) + m / 7 for m in range(n)]
+    x = start[r].copy()
+    with PReduce(x, comm, group_size=min(3, n), policy="static", seed=5, algorithm=algorithm) as pr:
+        pr.average()
+    group, everyone = pr.last_group, comm.allgather(x.tobytes())
+    expected = sum(start[m] for m in group) / len(group)
+    assert all_ok(comm, np.allclose(x, expected, rtol=1e-14, atol=1e-15))
+    assert all_ok(comm, all(everyone[m] == x.tobytes() for m in group))
 
 
 def test_group_comm_rejects_outsiders_and_wildcards() -> None:
