@@ -1,0 +1,63 @@
+"""A group of ranks seen as a communicator, without creating one.
+
+The all-reduce kernels use only ``Get_rank``, ``Get_size`` and the blocking
+point-to-point calls ``Sendrecv``/``Send``/``Recv`` (through
+:mod:`collectives.p2p`). :class:`GroupComm` offers exactly those on a subset
+of a parent communicator, translating group ranks to parent ranks, so every
+kernel runs unchanged among the members of a P-Reduce group. Creating one is
+a few Python attribute stores: no ``MPI_Comm_create``/``Split`` (which are
+collective over the parent and would serialize the asynchronous groups).
+
+Message matching stays correct because the parent is a private communicator
+and any two ranks run the groups they share in the same order (MPI delivers
+messages between a pair in order on one communicator and tag).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mpi4py import MPI
+
+from .errors import ArgumentError
+
+
+class GroupComm:
+    """The ranks ``members`` of ``comm`` as a communicator of ``len(members)`` ranks.
+
+    Group rank i is parent rank ``members[i]``; the calling process must be a
+    member. Wildcard sources are not supported (they would match ranks outside
+    the group).
+    """
+
+    __slots__ = ("comm", "members", "_rank")
+
+    def __init__(self, comm: MPI.Comm, members: Sequence[int]) -> None:
+        self.comm = comm
+        self.members = tuple(members)
+        me = comm.Get_rank()
+        if me not in self.members:
+            raise ArgumentError(f"rank {me} is not a member of the group {self.members}")
+        self._rank = self.members.index(me)
+
+    def Get_rank(self) -> int:  # noqa: N802 (mpi4py's names)
+        return self._rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return len(self.members)
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,  # noqa: N802
+                 source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG, status: Any = None) -> None:
+        self.comm.Sendrecv(sendbuf, self._parent(dest), sendtag, recvbuf, self._parent(source), recvtag, status)
+
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:  # noqa: N802
+        self.comm.Send(buf, self._parent(dest), tag)
+
+    def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,  # noqa: N802
+             status: Any = None) -> None:
+        self.comm.Recv(buf, self._parent(source), tag, status)
+
+    def _parent(self, rank: int) -> int:
+        if not 0 <= rank < len(self.members):
+            raise ArgumentError(f"rank {rank} is not a rank of a group of {len(self.members)}")
+        return self.members[rank]

@@ -1,0 +1,400 @@
+"""P-Reduce: averaging a buffer among a group of workers from the group generator.
+
+P-Reduce (Partial All-Reduce) is an all-reduce (average) among a *group* of
+ranks; the groups come from the group generator (GG) lock service of
+:mod:`collectives.group_generator` (rules and policies there). A Prague
+worker binds its flat parameter buffer once and calls :meth:`PReduce.average`
+after each local step; it returns once the buffer has been averaged with a
+group that GG started after the call began.
+
+Protocol (``random``/``smart``; ``static`` needs no messages to GG):
+
+1. worker w sends REQUEST to GG;
+2. GG answers each member of every group it starts with NOTIFY(group id,
+   members, "serves your request");
+3. w takes its notifications one by one, in the order GG sent them: runs
+   the group's all-reduce among the members (a kernel of
+   :data:`GROUP_KERNELS`, on a :class:`~collectives.group_comm.GroupComm`
+   of a private duplicate of the caller's communicator — no communicator is
+   created per group), divides by the group size, and sends DONE(group id);
+4. w returns after the group that serves its request. Groups it was drafted
+   into by other workers' requests are run in step 3 on the way, with the
+   same buffer; so are drafts that arrive after w's last request, in
+   :meth:`PReduce.close`.
+
+Where GG runs: a thread on ``service_rank`` (default 0) of the caller's own
+ranks — no extra rank, so it works under a plain ``mpiexec -n N``. It talks
+over a second private duplicate (its own context id), receiving REQUEST, DONE
+and CLOSE with one blocking ``Recv(ANY_SOURCE)`` and answering with ``Isend``
+so that it never waits for a worker. Needs ``MPI_THREAD_MULTIPLE``
+(mpi4py's default). ``close()`` is collective: each worker sends CLOSE and
+keeps serving drafts until GG, once all workers have closed and no group is
+active, sends SHUTDOWN; then the thread ends and the communicators are freed.
+
+Why it cannot deadlock (every worker calls ``average()`` repeatedly and then
+``close()``):
+
+* A group starts only when none of its members is locked, and a member's
+  lock clears only after it ran the group, so a worker is in at most one
+  active group and has at most one unread notification: the one of that
+  group. GG sends notifications in start order and workers read them in
+  order, so a worker never waits for a group while another group it belongs
+  to is pending on it (the A-waits-G1-while-drafted-into-G0 case: A reads
+  G0's notification first, because GG started G0 first).
+* A started group completes: each member is locked to it and reads its
+  notification next, either already inside ``average()``/``close()`` or when
+  it gets there; the kernel then has all its members.
+* GG never blocks on a worker (it answers with ``Isend``), and it always
+  returns to its ``Recv``, so workers' sends to it complete.
+* Every request is served: see the fair-queue rule (random) and the
+  oldest-request-leads rule (smart) in :mod:`collectives.group_generator`.
+* static: every worker computes the same partition for each iteration, so
+  by induction on the iteration all members of each group reach it.
+
+Cost of one P-Reduce among k ranks of an n-element buffer: two control
+messages on the critical path (REQUEST, NOTIFY; DONE is not waited for) plus
+the kernel on k ranks — for ring 2(k-1) alpha + 2 n (k-1)/k beta +
+n (k-1)/k gamma — and n gamma for the division. Plus any queueing at GG.
+
+Reference: Luo, He, Zhuo & Qian, "Prague: High-Performance
+Heterogeneity-Aware Asynchronous Decentralized Training", ASPLOS 2020; seed
+001 section 5.1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional, TextIO, Union
+
+import numpy as np
+from mpi4py import MPI
+
+from . import butterfly, gpu, halving_doubling, reduce_broadcast, ring, validation
+from .api import Kernel
+from .buffers import array_module, as_flat
+from .context import context
+from .errors import ArgumentError, CollectiveError
+from .group_comm import GroupComm
+from .group_generator import GroupGenerator, check_group_size, check_policy, static_group, static_groups, workers
+from .ops import reduction
+
+# Messages on the control communicator: (kind, argument) int64 pairs to GG,
+# (kind, group id, serves-you flag, size, members...) to the workers.
+REQUEST, DONE, CLOSE = 1, 2, 3
+NOTIFY, SHUTDOWN = 1, 2
+TO_GG, TO_WORKER = 1, 2
+
+#: Environment variable that switches the GG trace on: "1" or "stderr",
+#: "stdout", or a file path (appended to).
+TRACE_ENV = "MPIDL_GG_TRACE"
+
+#: The all-reduce kernels a group can run: those that need nothing but the
+#: group's ranks (the topology-aware ones would need per-group communicators).
+GROUP_KERNELS: dict[str, Kernel] = {
+    "ring": ring.allreduce,
+    "halving_doubling": halving_doubling.allreduce,
+    "butterfly": butterfly.allreduce,
+    "reduce_broadcast": reduce_broadcast.allreduce,
+}
+
+#: How many group adaptors a worker keeps.
+_GROUP_CACHE = 256
+
+TraceSpec = Union[None, bool, str, TextIO]
+
+
+@dataclass
+class PReduceStats:
+    """What one worker's P-Reduce calls cost it.
+
+    Attributes:
+        calls: ``average()`` calls.
+        groups: groups run, own and drafted (including during ``close()``).
+        drafted: groups run that served another worker's request.
+        wait_s: seconds blocked waiting for GG to start a group.
+        reduce_s: seconds in the group all-reduces (under ``static`` this
+            includes waiting for the group's other members).
+    """
+
+    calls: int = 0
+    groups: int = 0
+    drafted: int = 0
+    wait_s: float = 0.0
+    reduce_s: float = 0.0
+
+
+class PReduce:
+    """P-Reduce on one buffer: ``average()`` averages it with a group from the GG.
+
+    Construction is collective over ``comm`` (every rank passes a buffer of
+    the same length and dtype and the same options); so is :meth:`close`.
+    Usable as a context manager that closes on exit.
+
+    Args:
+        buf: the buffer to average (any buffer :func:`~collectives.as_flat`
+            accepts; floating-point). It stays bound: every ``average()``
+            overwrites it in place, and drafts run on it too.
+        comm: the workers (default ``MPI.COMM_WORLD``).
+        group_size: members per group, 1..comm size (default: pairs, or 1
+            on a single rank).
+        policy: "random", "smart" or "static" (see
+            :mod:`collectives.group_generator`).
+        period: static only: iterations a partition is kept before it rotates.
+        seed: seed of the random draws / the static schedule (>= 0).
+        algorithm: the all-reduce kernel run within a group, a name in
+            :data:`GROUP_KERNELS`.
+        service_rank: the rank whose thread runs GG.
+        trace: GG trace: True/"stderr", "stdout", a file path, an open text
+            stream, or False; None reads ``MPIDL_GG_TRACE``. Written by
+            ``service_rank`` only.
+        validate: check the arguments agree across ranks (None reads
+            ``MPIDL_VALIDATE``, default on).
+
+    Raises:
+        ArgumentError: bad or disagreeing arguments, on every rank.
+    """
+
+    def __init__(self, buf: Any, comm: Optional[MPI.Comm] = None, *, group_size: Optional[int] = None,
+                 policy: str = "random", period: int = 1, seed: int = 0,
+                 algorithm: str = "ring", service_rank: int = 0,
+                 trace: TraceSpec = None, validate: Optional[bool] = None) -> None:
+        ctx = context(MPI.COMM_WORLD if comm is None else comm)
+        self.rank, self.size = ctx.rank, ctx.size
+        if group_size is None:
+            group_size = min(2, self.size)
+        options = f"group_size={group_size} policy={policy} period={period} seed={seed} service_rank={service_rank}"
+        problem = None
+        try:
+            self._flat = as_flat(buf)
+            self._on_host = type(self._flat.data) is np.ndarray
+            self._red = reduction("avg", self._flat.dtype, array_module(self._flat.data))
+            self._kernel = _check_options(self.size, algorithm, policy, group_size, period, seed, service_rank)
+        except ArgumentError as exc:
+            problem = exc
+        if validation.enabled(validate):
+            dtype = "" if problem else self._flat.dtype + ("" if self._on_host else " (device)")
+            signature = (0, 0, 0, 0, 0) if problem else (
+                self._flat.size, validation.code(dtype), validation.code("avg"), validation.code(algorithm),
+                validation.code(options))
+            validation.check(ctx, "PReduce", problem, signature, lambda: (
+                {}, {validation.code(dtype): dtype}, {}, {validation.code(a): a for a in GROUP_KERNELS},
+                {validation.code(options): options}))
+        elif problem:
+            raise problem
+        if not self._on_host:
+            gpu.ensure(ctx.comm, self._flat)
+        self.group_size, self.policy, self.period, self.seed = int(group_size), policy, period, seed
+        self.stats = PReduceStats()
+        self.last_group: Optional[tuple[int, ...]] = None  # the group that served the last average()
+        self._service_rank = service_rank
+        self._iteration = 0
+        self._closed = False
+        self._groups: dict[tuple[int, ...], GroupComm] = {}
+        self._data = ctx.comm.Dup()
+        self._trace: Optional[_Trace] = _Trace.open(trace) if self.rank == service_rank else None
+        self._thread: Optional[threading.Thread] = None
+        if policy != "static":
+            self._ctl = ctx.comm.Dup()
+            self._inbox = np.zeros(4 + self.group_size, np.int64)
+            self._outbox = np.zeros(2, np.int64)
+            if self.rank == service_rank:
+                gg = GroupGenerator(self.size, self.group_size, policy, seed=seed,
+                                    trace=self._trace.write if self._trace else None)
+                service = _Service(self._ctl, gg, self._trace)
+                self._trace = None  # the service owns it now
+                self._thread = threading.Thread(target=service.run, name="mpidl-group-generator", daemon=True)
+                self._thread.start()
+
+    def average(self) -> Any:
+        """Average the bound buffer with a group from the GG, in place, and return it.
+
+        Blocks until a group containing this rank, started after the call,
+        has run; groups this rank was drafted into before that run first. On
+        return the buffer holds the mean of the members' buffers, bitwise the
+        same on every member.
+        """
+        if self._closed:
+            raise CollectiveError("PReduce.average() after close()")
+        if self.policy == "static":
+            members = static_group(self.rank, self._iteration, self.size, self.group_size, self.period, self.seed)
+            if self._trace is not None and self._iteration % self.period == 0:
+                period = self._iteration // self.period
+                groups = static_groups(self.size, self.group_size, period, self.seed)
+                self._trace.write(f"[static] iteration {self._iteration}, period {period}: "
+                                  + " ".join(map(workers, groups)))
+            self._iteration += 1
+            self._run(members)
+            self.stats.groups += 1
+            self.last_group = members
+        else:
+            self._tell(REQUEST)
+            while True:
+                served = self._serve()
+                if served is None:
+                    raise CollectiveError("the group generator shut down with a request outstanding")
+                if served:
+                    break
+        self.stats.calls += 1
+        return self._flat.owner
+
+    def close(self) -> None:
+        """Collectively stop: serve remaining drafts, stop GG, free the communicators.
+
+        Every rank must call it once it will call ``average()`` no more; it
+        returns when all ranks have. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.policy != "static":
+            self._tell(CLOSE)
+            while self._serve() is not None:
+                pass
+            if self._thread is not None:
+                self._thread.join()
+            self._ctl.Free()
+        elif self._trace is not None:
+            self._trace.close()
+        self._data.Free()
+
+    def __enter__(self) -> "PReduce":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _serve(self) -> Optional[bool]:
+        """Run the next group GG notified: True if it served this rank's request, None on SHUTDOWN."""
+        t = time.perf_counter()
+        self._ctl.Recv([self._inbox, MPI.INT64_T], self._service_rank, TO_WORKER)
+        self.stats.wait_s += time.perf_counter() - t
+        kind, gid, serves, size = (int(v) for v in self._inbox[:4])
+        if kind == SHUTDOWN:
+            return None
+        members = tuple(int(m) for m in self._inbox[4:4 + size])
+        self._run(members)
+        self._tell(DONE, gid)
+        self.stats.groups += 1
+        if serves:
+            self.last_group = members
+        else:
+            self.stats.drafted += 1
+        return bool(serves)
+
+    def _run(self, members: tuple[int, ...]) -> None:
+        """Average the buffer among ``members`` (parent ranks, ascending, self included)."""
+        t = time.perf_counter()
+        if len(members) > 1 and self._flat.size:
+            self._kernel(self._flat.data, self._group(members), self._red)
+            self._red.finalize(self._flat.data, len(members))
+        self.stats.reduce_s += time.perf_counter() - t
+
+    def _group(self, members: tuple[int, ...]) -> GroupComm:
+        group = self._groups.get(members)
+        if group is None:
+            if len(self._groups) >= _GROUP_CACHE:
+                del self._groups[next(iter(self._groups))]
+            group = self._groups[members] = GroupComm(self._data, members)
+        return group
+
+    def _tell(self, kind: int, arg: int = 0) -> None:
+        self._outbox[0], self._outbox[1] = kind, arg
+        self._ctl.Send([self._outbox, MPI.INT64_T], self._service_rank, TO_GG)
+
+
+def _check_options(size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int,
+                   service_rank: int) -> Kernel:
+    """Raise ArgumentError for a bad option; return the kernel of ``algorithm``."""
+    kernel = GROUP_KERNELS.get(algorithm)
+    if kernel is None:
+        raise ArgumentError(f"unknown algorithm {algorithm!r}; valid for groups: {', '.join(GROUP_KERNELS)}")
+    check_policy(policy)
+    check_group_size(group_size, size)
+    for name, value, low in (("period", period, 1), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+    if isinstance(service_rank, bool) or not isinstance(service_rank, int) or not 0 <= service_rank < size:
+        raise ArgumentError(f"service_rank must be a rank in 0..{size - 1}, got {service_rank!r}")
+    return kernel
+
+
+class _Service:
+    """The GG thread: receives workers' messages, feeds the state machine, notifies members."""
+
+    def __init__(self, ctl: MPI.Comm, gg: GroupGenerator, trace: Optional["_Trace"]) -> None:
+        self.ctl, self.gg, self.trace = ctl, gg, trace
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # a bug here would hang every worker: fail loudly instead
+            traceback.print_exc()
+            sys.stderr.flush()
+            self.ctl.Abort(1)
+        finally:
+            if self.trace is not None:
+                self.trace.close()
+
+    def _loop(self) -> None:
+        gg, ctl = self.gg, self.ctl
+        msg = np.zeros(2, np.int64)
+        status = MPI.Status()
+        sends: list[tuple[MPI.Request, np.ndarray]] = []
+        while not gg.finished:
+            ctl.Recv([msg, MPI.INT64_T], MPI.ANY_SOURCE, TO_GG, status)
+            kind, arg, worker = int(msg[0]), int(msg[1]), status.Get_source()
+            if kind == REQUEST:
+                started = gg.request(worker)
+            elif kind == DONE:
+                started = gg.done(worker, arg)
+            elif kind == CLOSE:
+                started = gg.close(worker)
+            else:
+                raise CollectiveError(f"group generator: unknown message kind {kind} from rank {worker}")
+            for group in started:
+                for m in group.members:
+                    out = np.zeros(4 + gg.group_size, np.int64)
+                    out[:4] = NOTIFY, group.gid, m in group.served, len(group.members)
+                    out[4:4 + len(group.members)] = group.members
+                    sends.append((ctl.Isend([out, MPI.INT64_T], m, TO_WORKER), out))
+            sends = [s for s in sends if not s[0].Test()]
+        for w in range(gg.n):
+            out = np.zeros(4 + gg.group_size, np.int64)
+            out[0] = SHUTDOWN
+            sends.append((ctl.Isend([out, MPI.INT64_T], w, TO_WORKER), out))
+        MPI.Request.Waitall([r for r, _ in sends])
+
+
+class _Trace:
+    """Where trace lines go (one thread writes): a stream, flushed per line; a file it opened is closed by close()."""
+
+    def __init__(self, stream: TextIO, owned: bool) -> None:
+        self.stream, self.owned = stream, owned
+
+    @classmethod
+    def open(cls, spec: TraceSpec) -> Optional["_Trace"]:
+        """The trace for ``spec`` (see :class:`PReduce`), or None when off."""
+        if spec is None:
+            spec = os.environ.get(TRACE_ENV, "")
+        if spec is False or (isinstance(spec, str) and spec.strip().lower() in ("", "0", "false", "no", "off")):
+            return None
+        if spec is True or (isinstance(spec, str) and spec.strip().lower() in ("1", "true", "yes", "on", "stderr")):
+            return cls(sys.stderr, False)
+        if isinstance(spec, str) and spec.strip().lower() == "stdout":
+            return cls(sys.stdout, False)
+        if isinstance(spec, str):
+            return cls(open(spec, "a", encoding="utf-8"), True)
+        return cls(spec, False)
+
+    def write(self, line: str) -> None:
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.owned:
+            self.stream.close()
