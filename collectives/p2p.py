@@ -5,11 +5,24 @@ Arrays travel as raw bytes (``MPI.BYTE``): every reduction is done by
 float16/bfloat16 need no MPI datatype. Host (numpy) arrays go to MPI directly;
 other arrays go through the transport registered for their type in
 :data:`DEVICE_TRANSPORTS` (device memory: direct GPU-aware MPI or staging).
+
+Blocking (:func:`send`, :func:`recv`, :func:`sendrecv`) and nonblocking
+(:func:`isend`, :func:`irecv`, then :func:`waitall`) forms are offered; a
+nonblocking call returns a handle whose ``Wait()`` completes it (an
+``MPI.Request`` for host arrays; a transport may return its own handle, e.g.
+one that copies a staged receive to the device when waited on). The buffer of
+a pending transfer must not be touched until it is waited on.
+
+Every payload byte sent through this module is counted per thread
+(:func:`bytes_sent`), so training algorithms can report their traffic exactly.
+The argument check's own messages (:mod:`collectives.validation`) bypass this
+module and are not counted.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import threading
+from typing import Any, Iterable, Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -20,20 +33,41 @@ TAG = 0x6D70  # "mp"
 _BYTE = MPI.BYTE
 
 
+class Pending(Protocol):
+    """A started nonblocking transfer."""
+
+    def Wait(self) -> Any: ...
+
+
 class Transport(Protocol):
     """How arrays of one kind (e.g. CuPy) reach MPI."""
 
     def sendrecv(self, comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None: ...
     def send(self, comm: MPI.Comm, buf: Any, dest: int) -> None: ...
     def recv(self, comm: MPI.Comm, buf: Any, source: int) -> None: ...
+    def isend(self, comm: MPI.Comm, buf: Any, dest: int) -> Pending: ...
+    def irecv(self, comm: MPI.Comm, buf: Any, source: int) -> Pending: ...
 
 
 #: Transports for array types other than numpy.ndarray, keyed by type.
 DEVICE_TRANSPORTS: dict[type, Transport] = {}
 
 
+class _Sent(threading.local):
+    total = 0
+
+
+_sent = _Sent()
+
+
+def bytes_sent() -> int:
+    """Payload bytes this thread has sent through this module since it started."""
+    return _sent.total
+
+
 def sendrecv(comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None:
     """Send ``send`` to ``dest`` while receiving exactly ``recv``'s size into it from ``source``."""
+    _sent.total += send.nbytes
     if type(send) is np.ndarray:
         comm.Sendrecv([send, _BYTE], dest, TAG, [recv, _BYTE], source, TAG)
     else:
@@ -42,6 +76,7 @@ def sendrecv(comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> No
 
 def send(comm: MPI.Comm, buf: Any, dest: int) -> None:
     """Send ``buf`` to ``dest`` (blocking)."""
+    _sent.total += buf.nbytes
     if type(buf) is np.ndarray:
         comm.Send([buf, _BYTE], dest, TAG)
     else:
@@ -54,3 +89,24 @@ def recv(comm: MPI.Comm, buf: Any, source: int) -> None:
         comm.Recv([buf, _BYTE], source, TAG)
     else:
         DEVICE_TRANSPORTS[type(buf)].recv(comm, buf, source)
+
+
+def isend(comm: MPI.Comm, buf: Any, dest: int) -> Pending:
+    """Start sending ``buf`` to ``dest``; ``buf`` must stay unchanged until waited on."""
+    _sent.total += buf.nbytes
+    if type(buf) is np.ndarray:
+        return comm.Isend([buf, _BYTE], dest, TAG)
+    return DEVICE_TRANSPORTS[type(buf)].isend(comm, buf, dest)
+
+
+def irecv(comm: MPI.Comm, buf: Any, source: int) -> Pending:
+    """Start receiving exactly ``buf``'s size into ``buf`` from ``source``."""
+    if type(buf) is np.ndarray:
+        return comm.Irecv([buf, _BYTE], source, TAG)
+    return DEVICE_TRANSPORTS[type(buf)].irecv(comm, buf, source)
+
+
+def waitall(pending: Iterable[Pending]) -> None:
+    """Complete every transfer in ``pending`` (all must have been started)."""
+    for p in pending:
+        p.Wait()
