@@ -10,6 +10,9 @@ and divides once at the end (:meth:`Reduction.finalize`).
 Operand order is explicit (``src_first``) so that two ranks combining the same
 pair of partial results get bitwise-identical answers even for ops whose IEEE
 result depends on the order (``min(-0.0, 0.0)``, NaN payloads).
+
+:func:`widen` and :func:`narrow` convert half-precision buffers to and from a
+float32 accumulator, for computations (weighted sums) that should round once.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ class Reduction:
         self.op = op
         self.dtype = dtype
         if dtype == "bfloat16":
-            self._ufunc = _bfloat16_ufunc(_UFUNC_NAMES[op], xp)
+            self._ufunc = _bfloat16_ufunc(_UFUNC_NAMES[op])
         else:
             self._ufunc = getattr(xp, _UFUNC_NAMES[op])
-        self._divide = _bfloat16_ufunc("divide", xp) if dtype == "bfloat16" else xp.divide
+        self._divide = _bfloat16_ufunc("divide") if dtype == "bfloat16" else xp.divide
 
     def combine(self, dst: Any, src: Any, src_first: bool = False) -> None:
         """Set ``dst <- op(dst, src)`` (or ``op(src, dst)`` if ``src_first``) in place."""
@@ -75,7 +78,39 @@ def reduction(op: str, dtype: str, xp: Any = np) -> Reduction:
     return Reduction(op, dtype, xp)
 
 
-def _bfloat16_ufunc(name: str, xp: Any) -> Callable[..., None]:
+def widen(src: Any, out: Any, dtype: str) -> None:
+    """Set the float32 array ``out`` to the float16 or bfloat16 values in ``src``, exactly."""
+    if dtype == "bfloat16":
+        _float32_view(out).copy_(_bfloat16_view(src))
+    else:
+        np.copyto(out, src)
+
+
+def narrow(src: Any, out: Any, dtype: str) -> None:
+    """Set the float16 or bfloat16 array ``out`` to the float32 ``src``, rounded to nearest even."""
+    if dtype == "bfloat16":
+        _bfloat16_view(out).copy_(_float32_view(src))
+    else:
+        np.copyto(out, src, casting="same_kind")
+
+
+def _bfloat16_view(a: Any) -> Any:
+    """A uint16 array holding bfloat16 bits, as a torch bfloat16 tensor (no copy)."""
+    import torch
+
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.as_tensor(a.view("int16"), device="cuda").view(torch.bfloat16)
+
+
+def _float32_view(a: Any) -> Any:
+    """A float32 array as a torch tensor (no copy)."""
+    import torch
+
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.as_tensor(a, device="cuda")
+
+
+def _bfloat16_ufunc(name: str) -> Callable[..., None]:
     """A ufunc-like callable on uint16 arrays holding bfloat16 bits.
 
     The arrays are viewed as torch bfloat16 tensors (no copy) and combined with
@@ -86,14 +121,8 @@ def _bfloat16_ufunc(name: str, xp: Any) -> Callable[..., None]:
 
     op = getattr(torch, {"add": "add", "minimum": "minimum", "maximum": "maximum",
                          "multiply": "mul", "divide": "div"}[name])
-    if xp is np:
-        def view(a: Any) -> Any:
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    else:
-        def view(a: Any) -> Any:
-            return torch.as_tensor(a.view(xp.int16), device="cuda").view(torch.bfloat16)
 
     def apply(a: Any, b: Any, out: Any) -> None:
-        op(view(a), b if isinstance(b, (int, float)) else view(b), out=view(out))
+        op(_bfloat16_view(a), b if isinstance(b, (int, float)) else _bfloat16_view(b), out=_bfloat16_view(out))
 
     return apply

@@ -12,26 +12,29 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
+
 from .buffers import array_module
 
 _local = threading.local()
 
 
-def scratch(like: Any, n: int, slot: int = 0) -> Any:
-    """A reusable uninitialised 1-D array of ``n`` elements, same kind and dtype as ``like``.
+def scratch(like: Any, n: int, slot: int = 0, dtype: Any = None) -> Any:
+    """A reusable uninitialised 1-D array of ``n`` elements, same kind as ``like``.
 
-    ``slot`` separates buffers that must be live at the same time. The
-    returned view stays valid until the next call with the same key on this
-    thread.
+    Its dtype is ``dtype`` if given, else ``like``'s. ``slot`` separates
+    buffers that must be live at the same time. The returned view stays valid
+    until the next call with the same key on this thread.
     """
     cache = getattr(_local, "buffers", None)
     if cache is None:
         cache = _local.buffers = {}
-    key = (type(like), like.dtype, slot)
+    dtype = like.dtype if dtype is None else np.dtype(dtype)
+    key = (type(like), dtype, slot)
     buf = cache.get(key)
     if buf is None or buf.shape[0] < n:
         xp = array_module(like)
-        buf = cache[key] = xp.empty(max(n, 1), dtype=like.dtype)
+        buf = cache[key] = xp.empty(max(n, 1), dtype=dtype)
     return buf[:n]
 
 
