@@ -6,25 +6,30 @@ in place; :data:`ALGORITHMS` names the algorithms, each in its own module
 ``hierarchical_ring``, ``torus2d``) whose kernel is public for composition, as
 are the ring's ``reduce_scatter`` and ``allgather``; "auto" picks one with the
 cost model (:mod:`collectives.costmodel`), and :func:`explain` says which and
-why.
+why. ``broadcast(buf, comm)`` copies rank 0's buffer to every rank.
+
+``neighbor_allreduce(buf, weights, comm)`` averages each rank's buffer with its
+in-neighbors' over a graph (:mod:`collectives.neighbor`), one row of a mixing
+matrix per rank (:class:`NeighborWeights`).
 
 :class:`PReduce` averages a buffer among a group of ranks handed out by the
 group generator lock service (:class:`GroupGenerator`, policies
 :data:`POLICIES`); :class:`GroupComm` runs a kernel on a group of ranks.
 """
 
-from .api import ALGORITHMS, DEFAULT_ALGORITHM, allreduce, explain
+from .api import ALGORITHMS, DEFAULT_ALGORITHM, allreduce, broadcast, explain
 from .buffers import DTYPES, FlatBuffer, as_flat
 from .errors import ArgumentError, CollectiveError
 from .group_comm import GroupComm
 from .group_generator import POLICIES, Group, GroupGenerator, static_group, static_groups
+from .neighbor import NeighborWeights, neighbor_allreduce
 from .ops import OPS, Reduction, reduction
 from .preduce import GROUP_KERNELS, PReduce, PReduceStats
 from .ring import allgather, reduce_scatter
 
 __all__ = [
     "ALGORITHMS", "DEFAULT_ALGORITHM", "DTYPES", "GROUP_KERNELS", "OPS", "POLICIES", "ArgumentError",
-    "CollectiveError", "FlatBuffer", "Group", "GroupComm", "GroupGenerator", "PReduce", "PReduceStats",
-    "Reduction", "allgather", "allreduce", "as_flat", "explain", "reduce_scatter", "reduction",
-    "static_group", "static_groups",
+    "CollectiveError", "FlatBuffer", "Group", "GroupComm", "GroupGenerator", "NeighborWeights", "PReduce",
+    "PReduceStats", "Reduction", "allgather", "allreduce", "as_flat", "broadcast", "explain",
+    "neighbor_allreduce", "reduce_scatter", "reduction", "static_group", "static_groups",
 ]

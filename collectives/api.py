@@ -158,6 +158,29 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
     return buf
 
 
+def broadcast(buf: Any, comm: Optional[MPI.Comm] = None, *, validate: Optional[bool] = None) -> Any:
+    """Copy rank 0's ``buf`` into ``buf`` on every rank of ``comm``, in place, and return it.
+
+    A binomial tree (:func:`collectives.reduce_broadcast.broadcast`):
+    ceil(lg p) (alpha + n beta). Buffers and validation as for
+    :func:`allreduce` (same length and dtype on every rank).
+    """
+    ctx = context(MPI.COMM_WORLD if comm is None else comm)
+    try:
+        flat, problem = as_flat(buf), None
+    except ArgumentError as exc:
+        flat, problem = None, exc
+    if validation.enabled(validate):
+        signature = (0,) * 5 if problem else (
+            flat.size, DTYPES.index(flat.dtype), 0, validation.code("broadcast"), 0)
+        validation.check(ctx, "broadcast", problem, signature, _field_names)
+    elif problem:
+        raise problem
+    if flat.size:
+        reduce_broadcast.broadcast(flat.data, ctx.comm)
+    return buf
+
+
 def explain(nbytes: int, comm: Optional[MPI.Comm] = None, *, layout: RanksPerNode = None,
             grid: Optional[tuple[int, int]] = None) -> costmodel.Choice:
     """What ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``comm``, every
