@@ -1,0 +1,63 @@
+"""algorithms: data-parallel training algorithms on the collectives.
+
+Each algorithm wraps a local optimizer and owns the model's flat parameter
+and gradient buffers (:mod:`algorithms.flat`); :class:`~algorithms.base.Algorithm`
+documents the common API (``step()``, ``close()``, the ``params``/``grads``
+buffers, the ``iterations``/``bytes_sent``/``comm_wait_s`` counters).
+
+=============== ====================== ==============================================
+name            class                  communication per step
+=============== ====================== ==============================================
+``allreduce``   :class:`AllReduceSGD`  all-reduce (average) of the gradients
+``dpsgd``       :class:`DPSGD`         neighbor averaging of the models over a graph
+``lsgd``        :class:`LSGD`          all-reduce in groups; among groups overlapped,
+                                       one step late
+=============== ====================== ==============================================
+
+:func:`create` builds one by name, e.g. for a command line::
+
+    algo = algorithms.create("dpsgd", model, opt, topology="ring")
+
+Graphs and mixing matrices are in :mod:`algorithms.topology`; a numpy SGD
+optimizer with torch's semantics in :mod:`algorithms.optim`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from mpi4py import MPI
+
+from .allreduce_sgd import AllReduceSGD
+from .base import Algorithm
+from .dpsgd import DPSGD
+from .flat import FlatParams, flatten
+from .lsgd import LSGD
+from .optim import SGD
+from .topology import TOPOLOGIES, Topology, TopologyError
+
+#: Training algorithms by name.
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    "allreduce": AllReduceSGD,
+    "dpsgd": DPSGD,
+    "lsgd": LSGD,
+}
+
+
+def create(name: str, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, **options: Any) -> Algorithm:
+    """Construct the algorithm called ``name`` (collective over ``comm``).
+
+    ``options`` are the class's keyword arguments (common ones:
+    ``broadcast_init``, ``validate``; see each class).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    cls = ALGORITHMS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown algorithm {name!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+    return cls(model, optimizer, comm, **options)
+
+
+__all__ = ["ALGORITHMS", "SGD", "TOPOLOGIES", "Algorithm", "AllReduceSGD", "DPSGD", "FlatParams", "LSGD",
+           "Topology", "TopologyError", "create", "flatten"]

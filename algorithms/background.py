@@ -1,0 +1,66 @@
+"""A service thread that runs communication while the caller computes.
+
+Algorithms that overlap communication with computation (LSGD's inter-group
+all-reduce; later the asynchronous ones) hand a task to a :class:`Background`
+and collect its result on a later step. Tasks run one at a time, in the order
+submitted, on one thread, so a task may own a communicator that no other
+thread uses (MPI must provide ``MPI_THREAD_MULTIPLE``, mpi4py's default).
+Each result carries the payload bytes the task sent
+(:func:`collectives.p2p.bytes_sent` counts per thread).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+from collectives.p2p import bytes_sent
+
+_STOP = object()
+
+
+class Background:
+    """One daemon thread running submitted tasks in order."""
+
+    def __init__(self, name: str) -> None:
+        self._tasks: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self.pending = 0
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Queue ``fn(*args, **kwargs)``; its arguments must not be touched until its result is taken."""
+        self.pending += 1
+        self._tasks.put((fn, args, kwargs))
+
+    def result(self) -> tuple[Any, int]:
+        """Wait for the oldest unclaimed task; return (its value, payload bytes it sent).
+
+        Re-raises the task's exception, if any.
+        """
+        if not self.pending:
+            raise RuntimeError("no task submitted")
+        self.pending -= 1
+        value, nbytes, error = self._results.get()
+        if error is not None:
+            raise error
+        return value, nbytes
+
+    def close(self) -> None:
+        """Finish the queued tasks and stop the thread (their results are dropped)."""
+        self._tasks.put(_STOP)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is _STOP:
+                return
+            fn, args, kwargs = task
+            before = bytes_sent()
+            try:
+                self._results.put((fn(*args, **kwargs), bytes_sent() - before, None))
+            except BaseException as exc:  # handed to the caller by result()
+                self._results.put((None, bytes_sent() - before, exc))

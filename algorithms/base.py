@@ -1,0 +1,188 @@
+"""What every training algorithm shares: flat model, local optimizer, step, counters.
+
+A training algorithm wraps a local optimizer. Each worker (MPI rank) computes
+the gradient of its own loss, then calls :meth:`Algorithm.step`, which
+communicates — gradients, models, or both — and applies the local optimizer.
+
+Torch::
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    algo = DPSGD(model, opt, topology="ring")
+    for x, y in batches:
+        algo.zero_grad()
+        loss_fn(model(x), y).backward()
+        algo.step()
+
+numpy (``x`` the parameter array, ``grad_fn`` the local gradient)::
+
+    opt = SGD(x, lr=0.1, momentum=0.9)           # algorithms.optim.SGD
+    algo = DPSGD(x, opt, topology="ring")
+    for _ in range(steps):
+        algo.step(grad_fn(x))                    # or write into opt.grad, then algo.step()
+
+Construction is collective over ``comm``: the model is flattened
+(:mod:`algorithms.flat`), the configuration is checked across ranks (same
+algorithm, options, model length and dtype on every rank, else the same
+:class:`~collectives.ArgumentError` on every rank; ``validate=False`` skips
+the check), sub-communicators and service threads are set up, and rank 0's
+parameters are broadcast so that every worker starts from the same model
+(``broadcast_init=False`` keeps each worker's own). Steps then run their
+collectives unchecked (``validate=False``): the arguments are the same every
+step and were checked once.
+
+Counters, per worker: :attr:`~Algorithm.iterations`;
+:attr:`~Algorithm.bytes_sent`, the payload bytes this worker sent during steps
+(counted by :mod:`collectives.p2p`, so exact: e.g. 2(n-1)/n x model bytes per
+ring all-reduce); :attr:`~Algorithm.comm_wait_s`, the seconds steps spent in
+communication or waiting for it.
+
+Writing a new algorithm: subclass :class:`Algorithm`, set ``name``, and
+implement :meth:`~Algorithm._step`; override :meth:`~Algorithm._configure`
+(local checks, returns the options every rank must agree on),
+:meth:`~Algorithm._start` (collective set-up) and :meth:`~Algorithm.close`
+(threads, communicators) as needed; register the class in
+:data:`algorithms.ALGORITHMS`. Asynchronous algorithms run their service
+thread with :class:`algorithms.background.Background`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from typing import Any, ClassVar, Hashable, Iterator, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+from collectives import DTYPES, ArgumentError, validation
+from collectives.context import context
+from collectives.p2p import bytes_sent
+
+from .flat import FlatParams, flatten
+
+
+class Algorithm(ABC):
+    """A data-parallel training algorithm on one worker.
+
+    Args:
+        model: a ``torch.nn.Module`` or a numpy parameter array.
+        optimizer: the local optimizer over the model's parameters (a torch
+            optimizer, or :class:`algorithms.optim.SGD` for numpy).
+        comm: the workers' communicator (default ``MPI.COMM_WORLD``).
+        broadcast_init: start every worker from rank 0's parameters.
+        validate: check the configuration across ranks at construction
+            (None: the collectives' default, on unless ``MPIDL_VALIDATE=0``).
+
+    Attributes:
+        comm, rank, size: the communicator, this worker's rank, the number of workers.
+        optimizer: the local optimizer.
+        flat: the flat parameters and gradients (:class:`~algorithms.flat.FlatParams`).
+        iterations: steps taken.
+        bytes_sent: payload bytes this worker sent during steps.
+        comm_wait_s: seconds steps spent communicating or waiting for communication.
+    """
+
+    #: The algorithm's name in :data:`algorithms.ALGORITHMS`.
+    name: ClassVar[str]
+
+    def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
+                 broadcast_init: bool = True, validate: Optional[bool] = None) -> None:
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.optimizer = optimizer
+        self.iterations = 0
+        self.bytes_sent = 0
+        self.comm_wait_s = 0.0
+        problem = None
+        try:
+            self.flat: FlatParams = flatten(model, optimizer)
+            options = self._configure()
+        except (ValueError, TypeError) as exc:  # ArgumentError, TopologyError, bad option values
+            problem = exc if isinstance(exc, ArgumentError) else ArgumentError(f"{type(exc).__name__}: {exc}")
+        if validation.enabled(validate):
+            signature = (0,) * 5 if problem else (
+                self.flat.size, DTYPES.index(self.flat.dtype), 0, validation.code(self.name),
+                validation.code(repr(options)))
+            validation.check(context(self.comm), "training algorithm set-up", problem, signature, _field_names)
+        elif problem:
+            raise problem
+        self._start()
+        if broadcast_init:
+            collectives.broadcast(self.flat.params, self.comm, validate=False)
+
+    @property
+    def params(self) -> Any:
+        """The flat parameter buffer (a 1-D torch tensor or numpy view aliasing the model)."""
+        return self.flat.params
+
+    @property
+    def grads(self) -> Any:
+        """The flat gradient buffer (same kind and length as :attr:`params`)."""
+        return self.flat.grads
+
+    def zero_grad(self) -> None:
+        """Set the gradients to zero without breaking their aliasing of :attr:`grads`."""
+        self.flat.zero_grad()
+
+    def step(self, grad: Any = None) -> None:
+        """Communicate and apply one local optimizer step; collective over :attr:`comm`.
+
+        Call it after the gradient is in place: torch, after
+        ``loss.backward()``; numpy, after writing the gradient into the
+        optimizer's ``grad`` array, or pass it here as ``grad`` (any array of
+        the model's size; it is copied into the flat gradient buffer).
+        """
+        if grad is not None:
+            values = np.asarray(grad).reshape(-1)
+            if values.shape != self.flat.grad_data.shape:
+                raise ValueError(f"gradient has {values.size} elements, the model {self.flat.size}")
+            np.copyto(self.flat.grad_data, values)
+        self.flat.collect_grads()
+        self._step()
+        self.iterations += 1
+
+    def close(self) -> None:
+        """Release threads and communicators the algorithm holds (collective). Idempotent."""
+
+    def __enter__(self) -> "Algorithm":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank {self.rank} of {self.size}, {self.flat.size} parameters)"
+
+    # --- for subclasses -------------------------------------------------------
+
+    def _configure(self) -> Hashable:
+        """Check and resolve the options, locally (no communication: another rank may
+        already have failed). Returns what every rank must agree on; raises
+        ValueError (e.g. ArgumentError) for bad options."""
+        return ()
+
+    def _start(self) -> None:
+        """Collective set-up after the ranks agreed (sub-communicators, threads)."""
+
+    @abstractmethod
+    def _step(self) -> None:
+        """Communicate and apply ``self.optimizer.step()``; gradients are in ``self.flat``."""
+
+    @contextmanager
+    def _communicating(self) -> Iterator[None]:
+        """Count the time and the bytes this thread spends in the enclosed communication."""
+        t0, b0 = time.perf_counter(), bytes_sent()
+        try:
+            yield
+        finally:
+            self.comm_wait_s += time.perf_counter() - t0
+            self.bytes_sent += bytes_sent() - b0
+
+
+def _field_names() -> tuple[dict[int, str], ...]:
+    """Readable values of the set-up signature, for error messages."""
+    from . import ALGORITHMS
+
+    return ({}, dict(enumerate(DTYPES)), {}, {validation.code(name): name for name in ALGORITHMS})

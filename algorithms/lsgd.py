@@ -1,0 +1,167 @@
+"""LSGD: Layered SGD — gradients reduced inside groups, all-reduced among groups behind computation.
+
+Yu, Flynn, Yoo & D'Imperio, "Layered SGD: A Decentralized and Synchronous
+SGD Algorithm for Scalable Deep Neural Network Training", arXiv:1906.05936,
+2019; seed 001, section 4.3. Workers are grouped by node
+(:func:`collectives.layout.layout`: ``comm.Split_type(COMM_TYPE_SHARED)``,
+overridden by ``layout=`` or ``MPIDL_RANKS_PER_NODE`` to emulate nodes); each
+group's lowest rank is its representative (the paper's "communicator"). The
+group all-reduce is split into its two halves, a reduce to the representative
+and a broadcast from it, with the representatives' all-reduce between them
+running on a service thread, one step behind.
+
+The scheme (n workers, G groups, step t, g_i(t) the local gradient at the
+model x(t); S_g = the sum of g_i over group g; R = the sum over all workers):
+
+1. intra-group reduce (binomial tree, sum) of g_i(t): the representative
+   gets S_g(t);
+2. the representative waits for the inter-group all-reduce it started at step
+   t-1, which now holds R(t-1), starts the inter-group all-reduce (sum) of
+   S_g(t) on the service thread — it runs while the workers compute the
+   gradient of step t+1 — and broadcasts R(t-1) to its group (binomial tree);
+3. every worker sets its gradient to R(t-1) / n, the global average gradient
+   of the previous step, and applies the local optimizer.
+
+Staleness: exactly one step. x(t+1) = x(t) - lr d(gbar(t-1)), where
+gbar(t-1) was evaluated at x(t-1); the first step only fills the pipeline
+(no update), and the inter-group all-reduce in flight at :meth:`LSGD.close`
+is never applied. Every worker applies the same gradient, so all models stay
+bitwise identical (given identical starting models, ``broadcast_init``): LSGD
+is synchronous SGD with a one-step-delayed gradient, which converges like
+SGD for the small learning rates deep learning uses (for a quadratic with
+curvature h, plain delayed SGD is stable for lr h < 1). With a single group
+(one node) there is nothing to overlap and LSGD is AllReduce-SGD: one
+all-reduce of the fresh gradients, no staleness.
+
+Cost per step (m bytes, k ranks per group): intra-group reduce and
+broadcast, 2 ceil(lg k) (alpha_intra + m beta_intra) + ceil(lg k) m gamma;
+among the G representatives one all-reduce of m bytes (ring: 2 m (G-1)/G sent
+per representative over inter-node links), off the critical path when the
+computation of a step takes longer. Payload sent per step: m by each
+non-representative (its reduce message), plus m per child in the broadcast
+tree, plus the inter-group all-reduce's on representatives; the in-flight
+inter-group all-reduce is counted when it completes (next step, or close).
+
+Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives
+from collectives import ArgumentError, reduction
+from collectives.context import context
+from collectives.hierarchy import node_comms
+from collectives.layout import RanksPerNode
+from collectives.layout import layout as node_layout
+from collectives.reduce_broadcast import broadcast, reduce
+
+from .background import Background
+from .base import Algorithm
+
+
+class LSGD(Algorithm):
+    """Layered SGD (module docstring for the scheme and its one-step staleness).
+
+    Args:
+        model, optimizer, comm, broadcast_init, validate: see :class:`~algorithms.base.Algorithm`.
+        layout: the groups, as ranks per node: one number (groups of that many
+            consecutive ranks) or group sizes such as "3,1"; None detects the
+            nodes or reads ``MPIDL_RANKS_PER_NODE``.
+        algorithm: the all-reduce algorithm among the representatives (and of
+            the whole gradient when there is one group): a key of
+            :data:`collectives.ALGORITHMS`; "auto" is resolved at construction.
+
+    Attributes:
+        groups: the number of groups; group_size: this worker's group's size;
+        representative: whether this worker runs the inter-group all-reduce.
+    """
+
+    name = "lsgd"
+
+    def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
+                 layout: RanksPerNode = None, algorithm: str = collectives.DEFAULT_ALGORITHM,
+                 **common: Any) -> None:
+        self.layout, self.algorithm = layout, algorithm
+        self._background: Optional[Background] = None
+        super().__init__(model, optimizer, comm, **common)
+
+    def _configure(self) -> Hashable:
+        if self.algorithm not in collectives.ALGORITHMS:
+            raise ArgumentError(f"unknown all-reduce algorithm {self.algorithm!r}; "
+                                f"valid algorithms: {', '.join(collectives.ALGORITHMS)}")
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise ArgumentError("LSGD runs the inter-group all-reduce on a service thread: "
+                                "MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)")
+        if self.layout is not None:
+            node_layout(self.comm, self.layout)  # parses the override: local
+        return (self.layout, self.algorithm)
+
+    def _start(self) -> None:
+        lay = node_layout(self.comm, self.layout)  # collective when detecting
+        group, leaders = node_comms(context(self.comm), lay)
+        self.groups, self.group_size = lay.nodes, group.Get_size()
+        self.representative = leaders != MPI.COMM_NULL and self.groups > 1
+        if self.groups == 1:
+            self._group = group
+            self._resolve(group)
+            return
+        self._intra = context(group).comm  # the tree phases run on its private communicator
+        self._red = reduction("avg", self.flat.dtype)
+        if self.representative:
+            # The service thread's own communicator (another instance's thread may use
+            # ``leaders`` at the same time); its collectives context is created here, not there.
+            self._leaders = leaders.Dup()
+            context(self._leaders)
+            self._resolve(self._leaders)
+            self._inter = (np.empty_like(self.flat.grad_data), np.empty_like(self.flat.grad_data))
+            self._background = Background(f"lsgd-inter-group-rank{self.rank}")
+
+    def _resolve(self, comm: MPI.Comm) -> None:
+        """Make "auto" choose (and calibrate) now, not inside a timed step."""
+        if self.algorithm == "auto":
+            collectives.explain(self.flat.nbytes, comm)
+
+    def _step(self) -> None:
+        if self.groups == 1:
+            with self._communicating():
+                collectives.allreduce(self.flat.grads, self._group, "avg", self.algorithm, validate=False)
+            self.optimizer.step()
+            return
+        g, first = self.flat.grad_data, self.iterations == 0
+        with self._communicating():
+            reduce(g, self._intra, self._red)  # the representative now holds S_g(t)
+            if self.representative:
+                fresh, last = self._inter[self.iterations % 2], self._inter[1 - self.iterations % 2]
+                if not first:
+                    self._collect()  # last = R(t-1)
+                np.copyto(fresh, g)
+                self._background.submit(collectives.allreduce, fresh, self._leaders, "sum",
+                                        self.algorithm, validate=False)
+                if not first:
+                    np.copyto(g, last)
+            if not first:
+                broadcast(g, self._intra)
+        if not first:
+            self._red.finalize(g, self.size)  # R(t-1) / n
+            self.optimizer.step()
+
+    def _collect(self) -> None:
+        """Wait for the in-flight inter-group all-reduce and count its bytes."""
+        _, nbytes = self._background.result()
+        self.bytes_sent += nbytes
+
+    def close(self) -> None:
+        """Wait for the in-flight inter-group all-reduce (its result is dropped), stop the
+        thread and free its communicator."""
+        if self._background is not None:
+            if self._background.pending:
+                with self._communicating():
+                    self._collect()
+            self._background.close()
+            self._background = None
+            self._leaders.Free()

@@ -1,0 +1,293 @@
+"""Training algorithms on 1..4 ranks: convergence to a known optimum, consensus at the
+rate the spectral gap predicts, exact byte counts, numpy and torch paths alike, and
+configuration errors raised on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import algorithms
+from algorithms import SGD, topology
+from collectives import ArgumentError
+from mpitest import all_ok, comm_of_size
+
+pytestmark = pytest.mark.mpi
+
+DIM = 12  # divisible by 1..4: ring chunks are equal, so byte counts are exact
+
+#: (algorithm, options) pairs exercised on every communicator size.
+CONFIGS = {
+    "allreduce-ring": ("allreduce", {"algorithm": "ring"}),
+    "allreduce-halving_doubling": ("allreduce", {"algorithm": "halving_doubling"}),
+    "dpsgd-ring": ("dpsgd", {"topology": "ring"}),
+    "dpsgd-exponential-metropolis": ("dpsgd", {"topology": "exponential", "weights": "metropolis"}),
+    "lsgd-pairs": ("lsgd", {"layout": 2, "algorithm": "ring"}),
+    "lsgd-singletons": ("lsgd", {"layout": 1, "algorithm": "butterfly"}),
+}
+
+
+def targets(comm: MPI.Comm) -> tuple[np.ndarray, np.ndarray]:
+    """Worker i minimises f_i(x) = 0.5 ||x - a_i||^2; the optimum of the sum is mean_i a_i."""
+    a = [np.sin(np.arange(DIM) * (i + 1)) * (i + 2) for i in range(comm.Get_size())]
+    return a[comm.Get_rank()], np.mean(a, axis=0)
+
+
+def gathered(comm: MPI.Comm, x: np.ndarray) -> np.ndarray:
+    return np.array(comm.allgather(np.array(x, dtype=np.float64).reshape(-1)))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_converges_to_the_optimum(config: str, size: int) -> None:
+    """Constant lr 0.5, then a geometric decay (decentralized models only agree as lr -> 0)."""
+    comm = comm_of_size(size)
+    name, options = CONFIGS[config]
+    a, optimum = targets(comm)
+    x = np.full(DIM, 3.0 * comm.Get_rank())  # different starts; broadcast_init makes them equal
+    opt = SGD(x, lr=0.5, momentum=0.0)
+    with algorithms.create(name, x, opt, comm, **options) as algo:
+        for t in range(90):
+            if t >= 45:
+                opt.lr *= 0.7
+            algo.step(x - a)
+        err = float(np.max(np.abs(x - optimum)))
+        assert algo.iterations == 90
+    assert all_ok(MPI.COMM_WORLD, err < 1e-6), f"{config} on {size} ranks: max error {err:.3g}"
+
+
+@pytest.mark.parametrize("config", ["allreduce-ring", "dpsgd-ring", "lsgd-pairs"])
+def test_numpy_and_torch_paths_agree(config: str) -> None:
+    """The same problem as a torch model (one float64 parameter) with torch.optim.SGD
+    and momentum, and as a numpy array with algorithms.SGD: the same trajectory."""
+    torch = pytest.importorskip("torch")
+    comm = MPI.COMM_WORLD
+    name, options = CONFIGS[config]
+    a, _ = targets(comm)
+    x = np.full(DIM, float(comm.Get_rank()))
+    model = torch.nn.Module()
+    model.x = torch.nn.Parameter(torch.tensor(x))
+    np_algo = algorithms.create(name, x, SGD(x, lr=0.1, momentum=0.9), comm, broadcast_init=False, **options)
+    torch_algo = algorithms.create(name, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
+                                   broadcast_init=False, **options)
+    target = torch.tensor(a)
+    for _ in range(20):
+        np_algo.step(x - a)
+        torch_algo.zero_grad()
+        (0.5 * (model.x - target).pow(2).sum()).backward()
+        torch_algo.step()
+    np_algo.close()
+    torch_algo.close()
+    assert torch_algo.params.data_ptr() == model.x.data_ptr()
+    assert all_ok(comm, np.allclose(model.x.detach().numpy(), x, rtol=0, atol=1e-12))
+
+
+def consensus_distance(comm: MPI.Comm, x: np.ndarray) -> tuple[float, np.ndarray]:
+    X = gathered(comm, x)
+    return float(np.linalg.norm(X - X.mean(axis=0))), X.mean(axis=0)
+
+
+GRAPHS = {
+    "ring": lambda n: topology.ring(n),
+    "path-metropolis": lambda n: topology.from_edges(n, [(i, i + 1) for i in range(n - 1)]) if n > 1
+    else topology.ring(1),
+}
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_dpsgd_step_is_mixing_minus_local_gradient(size: int) -> None:
+    """One step: x_i <- sum_j W_ij x_j - lr g_i, with g_i taken at the pre-averaging x_i."""
+    comm = comm_of_size(size)
+    r = comm.Get_rank()
+    x = np.random.default_rng(r).standard_normal(DIM)
+    g = np.cos(x)  # a gradient evaluated at x(t)
+    X, G = gathered(comm, x), gathered(comm, g)
+    algo = algorithms.DPSGD(x, SGD(x, lr=0.25), comm, topology="ring", broadcast_init=False)
+    algo.step(g)
+    expected = algo.topology.W[r] @ X - 0.25 * G[r]
+    assert all_ok(MPI.COMM_WORLD, np.allclose(x, expected, rtol=0, atol=1e-13))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("graph", list(GRAPHS))
+def test_dpsgd_zero_lr_consensus_at_the_spectral_rate(graph: str, size: int) -> None:
+    """lr = 0: the mean is preserved; the disagreement shrinks by at most |lambda_2| per
+    step, and by exactly |lambda_2| when it lies along lambda_2's eigenvector."""
+    comm = comm_of_size(size)
+    n, r = comm.Get_size(), comm.Get_rank()
+    topo = GRAPHS[graph](n)
+    lam = topo.lambda2
+    eigvals, eigvecs = np.linalg.eigh(topo.W)
+    slow = eigvecs[:, int(np.argmax(np.where(np.isclose(eigvals, 1.0), -1, np.abs(eigvals))))]
+    direction = np.random.default_rng(7).standard_normal(DIM)
+    failures = []
+    for start in ("random", "eigenvector"):
+        x = (np.random.default_rng(r).standard_normal(DIM) if start == "random"
+             else 1.0 + slow[r] * direction)
+        algo = algorithms.DPSGD(x, SGD(x, lr=0.0), comm, topology=topo, broadcast_init=False)
+        dist, mean = consensus_distance(comm, x)
+        mean0, ratios = mean, []
+        for _ in range(8):
+            algo.step(np.zeros(DIM))
+            new, mean = consensus_distance(comm, x)
+            ratios.append(new / dist if dist > 1e-12 else 0.0)
+            dist = new
+            if not np.allclose(mean, mean0, rtol=0, atol=1e-12):
+                failures.append(f"{start}: mean moved by {np.max(np.abs(mean - mean0)):.3g}")
+        if max(ratios) > lam + 1e-9:
+            failures.append(f"{start}: contraction {max(ratios):.6f} > |lambda_2| = {lam:.6f}")
+        if start == "eigenvector" and lam > 0 and not np.allclose(ratios, lam, atol=1e-9):
+            failures.append(f"eigenvector: contractions {ratios} != |lambda_2| = {lam:.6f}")
+        if lam == 0 and dist > 1e-12:
+            failures.append(f"{start}: |lambda_2| = 0 but distance {dist:.3g} after a step")
+    assert all_ok(MPI.COMM_WORLD, not failures), failures
+
+
+def test_dpsgd_consensus_rate_on_a_slow_graph() -> None:
+    """A 4-path has |lambda_2| ~ 0.8: from a random start the measured rate approaches it."""
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != 4:
+        pytest.skip("needs four ranks")
+    topo = topology.from_edges(4, [(0, 1), (1, 2), (2, 3)])
+    x = np.random.default_rng(comm.Get_rank()).standard_normal(DIM)
+    algo = algorithms.DPSGD(x, SGD(x, lr=0.0), comm, topology=topo, broadcast_init=False)
+    first, _ = consensus_distance(comm, x)
+    for _ in range(25):
+        algo.step(np.zeros(DIM))
+    last, _ = consensus_distance(comm, x)
+    rate = (last / first) ** (1 / 25)
+    assert all_ok(comm, 0.95 * topo.lambda2 < rate <= topo.lambda2 + 1e-9), (rate, topo.lambda2)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_bytes_sent_allreduce_and_dpsgd(size: int) -> None:
+    """AllReduce-SGD with the ring: 2(n-1)/n model bytes per step; D-PSGD: degree x model bytes."""
+    comm = comm_of_size(size)
+    n = comm.Get_size()
+    model_bytes, steps = DIM * 8, 5
+    x, y = np.zeros(DIM), np.zeros(DIM)
+    ring_sgd = algorithms.AllReduceSGD(x, SGD(x, lr=0.1), comm, algorithm="ring")
+    dpsgd = algorithms.DPSGD(y, SGD(y, lr=0.1), comm, topology="ring")
+    for _ in range(steps):
+        ring_sgd.step(np.ones(DIM))
+        dpsgd.step(np.ones(DIM))
+    degree = dpsgd.topology.degree(comm.Get_rank())
+    ok = (ring_sgd.bytes_sent == steps * 2 * (n - 1) * model_bytes // n
+          and dpsgd.bytes_sent == steps * degree * model_bytes
+          and degree == min(n - 1, 2)
+          and ring_sgd.comm_wait_s > 0 and dpsgd.iterations == steps)
+    assert all_ok(MPI.COMM_WORLD, ok), (n, ring_sgd.bytes_sent, dpsgd.bytes_sent, degree)
+
+
+def test_bytes_sent_lsgd_two_groups_of_two() -> None:
+    """Per step: each non-representative sends its reduce message (m), each representative
+    broadcasts to its one group peer (m, from the second step on) and runs a ring
+    all-reduce with the other representative (2 (2-1)/2 m = m)."""
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != 4:
+        pytest.skip("needs four ranks")
+    m, steps = DIM * 8, 6
+    x = np.zeros(DIM)
+    algo = algorithms.LSGD(x, SGD(x, lr=0.1), comm, layout="2,2", algorithm="ring")
+    for _ in range(steps):
+        algo.step(np.ones(DIM))
+    algo.close()
+    expected = (steps - 1) * m + steps * m if algo.representative else steps * m
+    assert all_ok(comm, algo.bytes_sent == expected and algo.groups == 2), (algo.bytes_sent, expected)
+
+
+@pytest.mark.parametrize("config", ["allreduce-ring", "lsgd-pairs", "lsgd-singletons"])
+def test_synchronous_models_stay_bitwise_identical(config: str) -> None:
+    comm = MPI.COMM_WORLD
+    name, options = CONFIGS[config]
+    a, _ = targets(comm)
+    x = np.random.default_rng(comm.Get_rank()).standard_normal(DIM).astype(np.float32)
+    identical = True
+    with algorithms.create(name, x, SGD(x, lr=0.3, momentum=0.5), comm, **options) as algo:
+        for _ in range(10):
+            algo.step(x - a)
+            identical &= len({v.tobytes() for v in comm.allgather(x)}) == 1
+    assert all_ok(comm, identical)
+
+
+def test_lsgd_applies_the_global_gradient_one_step_late() -> None:
+    """Several groups: x(t+1) = x(t) - lr (x(t-1) - mean a) on these quadratics, from the
+    second step on; with one group LSGD is AllReduce-SGD, bit for bit."""
+    comm = MPI.COMM_WORLD
+    n = comm.Get_size()
+    a, optimum = targets(comm)
+    lr = 0.3
+    x = np.zeros(DIM)
+    with algorithms.LSGD(x, SGD(x, lr=lr), comm, layout=2 if n > 2 else 1, algorithm="ring") as algo:
+        history = [x.copy()]
+        for _ in range(6):
+            algo.step(x - a)
+            history.append(x.copy())
+    expected = [np.zeros(DIM), np.zeros(DIM)]  # the first step fills the pipeline
+    for t in range(1, 6):
+        expected.append(expected[-1] - lr * (expected[-2] - optimum))
+    staleness_ok = n == 1 or (algo.groups > 1 and np.allclose(history, expected, rtol=0, atol=1e-12))
+
+    y, z = np.zeros(DIM), np.zeros(DIM)
+    one_group = algorithms.LSGD(y, SGD(y, lr=lr), comm, layout=comm.Get_size(), algorithm="ring")
+    baseline = algorithms.AllReduceSGD(z, SGD(z, lr=lr), comm, algorithm="ring")
+    for _ in range(6):
+        one_group.step(y - a)
+        baseline.step(z - a)
+    assert all_ok(comm, staleness_ok and one_group.groups == 1 and y.tobytes() == z.tobytes())
+
+
+def test_default_allreduce_algorithm_is_the_collectives_default() -> None:
+    """"auto" is resolved (the cost model calibrated) at construction, not in a step."""
+    import collectives
+
+    comm = MPI.COMM_WORLD
+    x = np.zeros(DIM)
+    algo = algorithms.AllReduceSGD(x, SGD(x, lr=0.5), comm)
+    assert algo.algorithm == collectives.DEFAULT_ALGORITHM
+    a, optimum = targets(comm)
+    for _ in range(40):
+        algo.step(x - a)
+    chosen = algo.choice is None or algo.choice.algorithm in collectives.ALGORITHMS
+    assert all_ok(comm, chosen and np.allclose(x, optimum, atol=1e-9))
+
+
+def test_mismatched_configuration_raises_on_every_rank() -> None:
+    comm = MPI.COMM_WORLD
+    n = comm.Get_size()
+    if n < 2:
+        pytest.skip("needs two ranks")
+    last = comm.Get_rank() == n - 1
+    x = np.zeros(DIM)
+    with pytest.raises(ArgumentError) as info:
+        algorithms.create("dpsgd" if last else "allreduce", x, SGD(x, lr=0.1), comm)
+    text = str(info.value)
+    assert all_ok(comm, len(set(comm.allgather(text))) == 1 and "algorithm differs" in text
+                  and "dpsgd" in text and "allreduce" in text), text
+    y = np.zeros(DIM + last)
+    with pytest.raises(ArgumentError, match="length differs"):
+        algorithms.AllReduceSGD(y, SGD(y, lr=0.1), comm)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"topology": "moebius"}, "unknown topology"),
+    ({"topology": topology.ring(9)}, "has 9 ranks"),
+    ({"topology": "hypercube"}, "power-of-two"),
+])
+def test_bad_topology_raises_on_every_rank(options: dict, match: str) -> None:
+    comm = MPI.COMM_WORLD
+    if options["topology"] == "hypercube" and comm.Get_size() & (comm.Get_size() - 1) == 0:
+        options = {"topology": topology.from_edges(3, [(0, 1), (1, 2)])}
+        match = "has 3 ranks"
+    x = np.zeros(DIM)
+    with pytest.raises(ArgumentError, match=match) as info:
+        algorithms.DPSGD(x, SGD(x, lr=0.1), comm, **options)
+    assert all_ok(comm, len(set(comm.allgather(str(info.value)))) == 1)
+
+
+def test_registry_and_factory() -> None:
+    assert set(algorithms.ALGORITHMS) == {"allreduce", "dpsgd", "lsgd"}
+    assert all(cls.name == name for name, cls in algorithms.ALGORITHMS.items())
+    with pytest.raises(ValueError, match="unknown algorithm 'gossip'"):
+        algorithms.create("gossip", np.zeros(2), SGD(np.zeros(2), lr=0.1))
