@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from collectives import ArgumentError, as_flat
+from collectives import ArgumentError, FlatBuffer, as_flat
 
 from .optim import SGD
 
@@ -63,6 +63,11 @@ class FlatParams:
 
     def collect_grads(self) -> None:
         """Make sure the flat gradient buffer holds the current gradients (numpy: nothing to do)."""
+
+    def new_buffer(self) -> FlatBuffer:
+        """A new, uninitialised buffer of the gradients' kind, dtype and length (e.g. to
+        keep a copy in flight while the gradient buffer is reused)."""
+        return as_flat(np.empty_like(self.grads))
 
     def zero_grad(self) -> None:
         """Set every gradient to zero, keeping the aliasing."""
@@ -100,6 +105,11 @@ class TorchFlatParams(FlatParams):
                 self.views.append((p, grad))
                 offset += n
         super().__init__(params, grads)
+
+    def new_buffer(self) -> FlatBuffer:
+        import torch
+
+        return as_flat(torch.empty_like(self.grads))
 
     def collect_grads(self) -> None:
         """Copy gradients that no longer alias the flat buffer into it and re-point them.

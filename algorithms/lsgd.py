@@ -118,7 +118,7 @@ class LSGD(Algorithm):
             self._leaders = leaders.Dup()
             context(self._leaders)
             self._resolve(self._leaders)
-            self._inter = (np.empty_like(self.flat.grad_data), np.empty_like(self.flat.grad_data))
+            self._inter = (self.flat.new_buffer(), self.flat.new_buffer())
             self._background = Background(f"lsgd-inter-group-rank{self.rank}")
 
     def _resolve(self, comm: MPI.Comm) -> None:
@@ -139,11 +139,11 @@ class LSGD(Algorithm):
                 fresh, last = self._inter[self.iterations % 2], self._inter[1 - self.iterations % 2]
                 if not first:
                     self._collect()  # last = R(t-1)
-                np.copyto(fresh, g)
-                self._background.submit(collectives.allreduce, fresh, self._leaders, "sum",
+                np.copyto(fresh.data, g)
+                self._background.submit(collectives.allreduce, fresh.owner, self._leaders, "sum",
                                         self.algorithm, validate=False)
                 if not first:
-                    np.copyto(g, last)
+                    np.copyto(g, last.data)
             if not first:
                 broadcast(g, self._intra)
         if not first:

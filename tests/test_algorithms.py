@@ -83,6 +83,29 @@ def test_numpy_and_torch_paths_agree(config: str) -> None:
     assert all_ok(comm, np.allclose(model.x.detach().numpy(), x, rtol=0, atol=1e-12))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("config", ["allreduce-ring", "dpsgd-ring", "lsgd-pairs"])
+def test_half_precision_torch_models(config: str, dtype: str) -> None:
+    """Half-precision parameters train too (averaging in float32, rounded once): the mean
+    model reaches the optimum, and the synchronous algorithms keep the models identical."""
+    torch = pytest.importorskip("torch")
+    comm = MPI.COMM_WORLD
+    name, options = CONFIGS[config]
+    a, optimum = targets(comm)
+    model = torch.nn.Module()
+    model.x = torch.nn.Parameter(torch.zeros(DIM, dtype=getattr(torch, dtype)))
+    target = torch.tensor(a, dtype=model.x.dtype)
+    with algorithms.create(name, model, torch.optim.SGD(model.parameters(), lr=0.25), comm, **options) as algo:
+        for _ in range(40):
+            algo.zero_grad()
+            (0.5 * (model.x - target).pow(2).sum()).backward()
+            algo.step()
+    X = gathered(comm, model.x.detach().float().numpy())
+    tolerance = {"bfloat16": 0.08, "float16": 0.01}[dtype]  # a few units in the last place near 2.5
+    same = len({v.tobytes() for v in X}) == 1 or name == "dpsgd"  # D-PSGD: only the mean is at the optimum
+    assert all_ok(comm, same and np.allclose(X.mean(axis=0), optimum, rtol=0, atol=tolerance)), X
+
+
 def consensus_distance(comm: MPI.Comm, x: np.ndarray) -> tuple[float, np.ndarray]:
     X = gathered(comm, x)
     return float(np.linalg.norm(X - X.mean(axis=0))), X.mean(axis=0)
