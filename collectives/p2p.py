@@ -15,8 +15,10 @@ a pending transfer must not be touched until it is waited on.
 
 Every payload byte sent through this module is counted per thread
 (:func:`bytes_sent`), so training algorithms can report their traffic exactly.
-The argument check's own messages (:mod:`collectives.validation`) bypass this
-module and are not counted.
+The argument check's messages (:mod:`collectives.validation`), and the small
+butterfly all-reduces that ride in them, bypass this module and are not
+counted; the training algorithms run their steps unchecked, so their counts
+are exact.
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@ optimizer follows torch.optim.SGD."""
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
