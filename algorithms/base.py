@@ -82,6 +82,7 @@ class Algorithm(ABC):
         iterations: steps taken.
         bytes_sent: payload bytes this worker sent during steps.
         comm_wait_s: seconds steps spent communicating or waiting for communication.
+        closed: whether :meth:`close` was called.
     """
 
     #: The algorithm's name in :data:`algorithms.ALGORITHMS`.
@@ -95,6 +96,7 @@ class Algorithm(ABC):
         self.iterations = 0
         self.bytes_sent = 0
         self.comm_wait_s = 0.0
+        self.closed = False
         problem = None
         try:
             self.flat: FlatParams = flatten(model, optimizer)
@@ -134,6 +136,8 @@ class Algorithm(ABC):
         optimizer's ``grad`` array, or pass it here as ``grad`` (any array of
         the model's size; it is copied into the flat gradient buffer).
         """
+        if self.closed:
+            raise RuntimeError(f"{self!r} is closed")
         if grad is not None:
             values = np.asarray(grad).reshape(-1)
             if values.shape != self.flat.grad_data.shape:
@@ -144,7 +148,9 @@ class Algorithm(ABC):
         self.iterations += 1
 
     def close(self) -> None:
-        """Release threads and communicators the algorithm holds (collective). Idempotent."""
+        """Release threads and communicators the algorithm holds (collective); no step
+        may follow. Idempotent. Subclasses release theirs, then call this."""
+        self.closed = True
 
     def __enter__(self) -> "Algorithm":
         return self

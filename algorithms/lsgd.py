@@ -165,3 +165,4 @@ class LSGD(Algorithm):
             self._background.close()
             self._background = None
             self._leaders.Free()
+        super().close()

@@ -261,6 +261,23 @@ def test_lsgd_applies_the_global_gradient_one_step_late() -> None:
     assert all_ok(comm, staleness_ok and one_group.groups == 1 and y.tobytes() == z.tobytes())
 
 
+def test_lsgd_groups_from_the_node_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Default: the nodes (Split_type; one machine here); MPIDL_RANKS_PER_NODE emulates nodes."""
+    comm = MPI.COMM_WORLD
+    monkeypatch.delenv("MPIDL_RANKS_PER_NODE", raising=False)
+    x = np.zeros(DIM)
+    detected = algorithms.LSGD(x, SGD(x, lr=0.1), comm, algorithm="ring")
+    monkeypatch.setenv("MPIDL_RANKS_PER_NODE", "1")
+    emulated = algorithms.LSGD(x, SGD(x, lr=0.1), comm, algorithm="ring")
+    emulated.step(np.ones(DIM))
+    emulated.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        emulated.step(np.ones(DIM))
+    ok = (detected.groups == 1 and detected.group_size == comm.Get_size() and not detected.representative
+          and emulated.groups == comm.Get_size() and emulated.representative == (comm.Get_size() > 1))
+    assert all_ok(comm, ok)
+
+
 def test_default_allreduce_algorithm_is_the_collectives_default() -> None:
     """"auto" is resolved (the cost model calibrated) at construction, not in a step."""
     import collectives
