@@ -165,8 +165,8 @@ class Algorithm(ABC):
 
     def _configure(self) -> Hashable:
         """Check and resolve the options, locally (no communication: another rank may
-        already have failed). Returns what every rank must agree on; raises
-        ValueError (e.g. ArgumentError) for bad options."""
+        already have failed). Returns the options every rank must agree on (compared
+        by their repr); raises ValueError (e.g. ArgumentError) for bad options."""
         return ()
 
     def _start(self) -> None:
