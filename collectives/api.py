@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from . import (butterfly, costmodel, gpu, halving_doubling, hierarchical_ring, hierarchy, reduce_broadcast,
                ring, torus2d, validation)
-from .buffers import DTYPES, FlatBuffer, array_module, as_flat
+from .buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code
 from .context import Context, context
 from .errors import ArgumentError
 from .layout import RanksPerNode
@@ -139,7 +139,7 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
     if validation.enabled(validate):
         options = 0 if layout is None and grid is None else validation.code(repr((layout, grid)))
         signature = (0, 0, 0, 0, 0) if problem else (
-            flat.size, _dtype_code(flat), validation.code(op), validation.code(algorithm), options)
+            flat.size, dtype_code(flat), validation.code(op), validation.code(algorithm), options)
         fuse = problem is None and _fusable(ctx, flat, (algorithm, layout, grid))
         reduced = validation.check(ctx, "allreduce", problem, signature, _field_names,
                                    flat.data if fuse else None, red)
@@ -171,11 +171,12 @@ def broadcast(buf: Any, comm: Optional[MPI.Comm] = None, *, validate: Optional[b
     except ArgumentError as exc:
         flat, problem = None, exc
     if validation.enabled(validate):
-        signature = (0,) * 5 if problem else (
-            flat.size, DTYPES.index(flat.dtype), 0, validation.code("broadcast"), 0)
+        signature = (0,) * 5 if problem else (flat.size, dtype_code(flat), 0, validation.code("broadcast"), 0)
         validation.check(ctx, "broadcast", problem, signature, _field_names)
     elif problem:
         raise problem
+    if type(flat.data) is not np.ndarray:
+        gpu.ensure(ctx.comm, flat)
     if flat.size:
         reduce_broadcast.broadcast(flat.data, ctx.comm)
     return buf
@@ -203,15 +204,9 @@ def _fusable(ctx: Context, flat: FlatBuffer, key: tuple) -> bool:
     return plan is not None and plan.algorithm_for(flat.nbytes) == "butterfly"
 
 
-def _dtype_code(flat: FlatBuffer) -> int:
-    """The dtype's index in DTYPES, offset by len(DTYPES) for device memory."""
-    return DTYPES.index(flat.dtype) + (0 if type(flat.data) is np.ndarray else len(DTYPES))
-
-
 def _field_names() -> tuple[dict[int, str], ...]:
     """Readable names of the signature codes, for error messages."""
-    dtypes = {**dict(enumerate(DTYPES)), **{i + len(DTYPES): f"{d} (device)" for i, d in enumerate(DTYPES)}}
-    return ({}, dtypes, {validation.code(op): op for op in OPS}, {validation.code(a): a for a in ALGORITHMS})
+    return ({}, DTYPE_CODES, {validation.code(op): op for op in OPS}, {validation.code(a): a for a in ALGORITHMS})
 
 
 def _prepare(buf: Any, op: str, algorithm: str, comm: MPI.Comm, layout: RanksPerNode,

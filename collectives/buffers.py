@@ -92,6 +92,17 @@ def array_module(data: Any) -> Any:
     return cupy.get_array_module(data)
 
 
+def dtype_code(flat: FlatBuffer) -> int:
+    """An integer naming ``flat``'s dtype and memory, for cross-rank checks: the
+    dtype's index in DTYPES, plus len(DTYPES) for device memory."""
+    return DTYPES.index(flat.dtype) + (0 if type(flat.data) is np.ndarray else len(DTYPES))
+
+
+#: Readable names of :func:`dtype_code` values.
+DTYPE_CODES: dict[int, str] = {**dict(enumerate(DTYPES)),
+                               **{i + len(DTYPES): f"{d} (device)" for i, d in enumerate(DTYPES)}}
+
+
 def check_dtype(name: str, what: str) -> None:
     """Raise ArgumentError unless ``name`` is one of :data:`DTYPES`."""
     if name not in DTYPES:

@@ -119,9 +119,18 @@ class _Direct:
         _sync()  # kernels still reading ``buf`` must finish before MPI overwrites it
         comm.Recv([buf, MPI.BYTE], source, p2p.TAG)
 
+    def isend(self, comm: MPI.Comm, buf: Any, dest: int) -> MPI.Request:
+        _sync()
+        return comm.Isend([buf, MPI.BYTE], dest, p2p.TAG)
+
+    def irecv(self, comm: MPI.Comm, buf: Any, source: int) -> MPI.Request:
+        _sync()
+        return comm.Irecv([buf, MPI.BYTE], source, p2p.TAG)
+
 
 class _Staged:
-    """Copies through two reusable pinned host buffers (one out, one in) per thread."""
+    """Copies through reusable pinned host buffers: two (one out, one in) per thread for
+    the blocking calls, and a per-thread pool for transfers in flight together."""
 
     def __init__(self) -> None:
         import threading
@@ -163,6 +172,47 @@ class _Staged:
         into = self._pinned(1, buf.nbytes)
         comm.Recv([into, MPI.BYTE], source, p2p.TAG)
         self._to_device(into, buf)
+
+    def isend(self, comm: MPI.Comm, buf: Any, dest: int) -> "_StagedPending":
+        host = self._take(buf.nbytes)
+        _sync()
+        buf.view(np.uint8).get(out=host)
+        return _StagedPending(self, comm.Isend([host, MPI.BYTE], dest, p2p.TAG), host)
+
+    def irecv(self, comm: MPI.Comm, buf: Any, source: int) -> "_StagedPending":
+        host = self._take(buf.nbytes)
+        return _StagedPending(self, comm.Irecv([host, MPI.BYTE], source, p2p.TAG), host, buf)
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        """A pinned buffer of ``nbytes`` from this thread's pool, for one transfer in flight."""
+        import cupy
+
+        pool = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = self._local.pool = []
+        for i, host in enumerate(pool):
+            if host.nbytes >= nbytes:
+                return pool.pop(i)[:nbytes]
+        mem = cupy.cuda.alloc_pinned_memory(max(nbytes, 1 << 16))
+        return np.frombuffer(mem, np.uint8, mem.size())[:nbytes]
+
+    def _give_back(self, host: np.ndarray) -> None:
+        """Return a buffer from :meth:`_take` to the pool (on the thread that took it)."""
+        self._local.pool.append(host.base)
+
+
+class _StagedPending:
+    """A staged nonblocking transfer: waiting completes the MPI request, copies a
+    received message to the device, and returns the pinned buffer to the pool."""
+
+    def __init__(self, transport: _Staged, request: MPI.Request, host: np.ndarray, device: Any = None) -> None:
+        self.transport, self.request, self.host, self.device = transport, request, host, device
+
+    def Wait(self) -> None:
+        self.request.Wait()
+        if self.device is not None:
+            self.transport._to_device(self.host, self.device)
+        self.transport._give_back(self.host)
 
 
 def _install(mode: str) -> None:

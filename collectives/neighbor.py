@@ -39,6 +39,9 @@ learns who sends to it from one all-to-all of flags; then every rank raises
 the same :class:`ArgumentError` naming the broken edges, before any data
 moved. Without validation an inconsistent graph hangs or mismatches messages.
 
+Device buffers (CuPy arrays, CUDA tensors) are mixed on the device; messages
+take the device transport (:mod:`collectives.gpu`).
+
 Not thread-safe on one communicator: two threads mixing over the same
 communicator at once would receive each other's messages.
 """
@@ -50,8 +53,8 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import validation
-from .buffers import DTYPES, FlatBuffer, as_flat
+from . import gpu, validation
+from .buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code
 from .context import Context, context
 from .errors import ArgumentError
 from .ops import narrow, widen
@@ -134,6 +137,8 @@ def neighbor_allreduce(buf: Any, weights: NeighborWeights, comm: Optional[MPI.Co
         _check(ctx, weights, flat, problem)
     elif problem:
         raise problem
+    if type(flat.data) is not np.ndarray:
+        gpu.ensure(ctx.comm, flat)
     if flat.size:
         _mix(flat, weights, ctx.comm)
     return buf
@@ -185,8 +190,8 @@ def _check(ctx: Context, weights: NeighborWeights, flat: Optional[FlatBuffer],
             parts = [f"expects data from rank(s) {missing}, which do not send to it"] if missing else []
             parts += [f"is sent data by rank(s) {extra}, which it does not list as in-neighbors"] if extra else []
             problem = ArgumentError(f"inconsistent graph: rank {ctx.rank} " + " and ".join(parts))
-    signature = (0,) * 5 if problem else (flat.size, DTYPES.index(flat.dtype), 0, validation.code("neighbor"), 0)
-    validation.check(ctx, "neighbor_allreduce", problem, signature, lambda: ({}, dict(enumerate(DTYPES))))
+    signature = (0,) * 5 if problem else (flat.size, dtype_code(flat), 0, validation.code("neighbor"), 0)
+    validation.check(ctx, "neighbor_allreduce", problem, signature, lambda: ({}, DTYPE_CODES))
 
 
 def _mix(flat: FlatBuffer, weights: NeighborWeights, comm: MPI.Comm) -> None:
@@ -196,6 +201,7 @@ def _mix(flat: FlatBuffer, weights: NeighborWeights, comm: MPI.Comm) -> None:
     pending = [irecv(comm, r, j) for r, (j, _) in zip(received, weights.sources)]
     pending += [isend(comm, x, j) for j in weights.destinations]
     waitall(pending)
+    xp = array_module(x)
     half = dtype in _HALF
     cast = int if dtype in _INTEGER else float
     if half:
@@ -203,12 +209,12 @@ def _mix(flat: FlatBuffer, weights: NeighborWeights, comm: MPI.Comm) -> None:
         widen(x, acc, dtype)
     else:
         acc = x
-    np.multiply(acc, cast(weights.self_weight), out=acc)
+    xp.multiply(acc, cast(weights.self_weight), out=acc)
     for r, (_, w) in zip(received, weights.sources):
         if half:
             widen(r, term, dtype)
             r = term
-        np.multiply(r, cast(w), out=r)
-        np.add(acc, r, out=acc)
+        xp.multiply(r, cast(w), out=r)
+        xp.add(acc, r, out=acc)
     if half:
         narrow(acc, x, dtype)

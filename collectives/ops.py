@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .buffers import FLOAT_DTYPES
+from .buffers import FLOAT_DTYPES, array_module
 from .errors import ArgumentError
 
 #: Operation names every collective accepts.
@@ -83,7 +83,7 @@ def widen(src: Any, out: Any, dtype: str) -> None:
     if dtype == "bfloat16":
         _float32_view(out).copy_(_bfloat16_view(src))
     else:
-        np.copyto(out, src)
+        array_module(out).copyto(out, src)
 
 
 def narrow(src: Any, out: Any, dtype: str) -> None:
@@ -91,7 +91,7 @@ def narrow(src: Any, out: Any, dtype: str) -> None:
     if dtype == "bfloat16":
         _bfloat16_view(out).copy_(_float32_view(src))
     else:
-        np.copyto(out, src, casting="same_kind")
+        array_module(out).copyto(out, src, casting="same_kind")
 
 
 def _bfloat16_view(a: Any) -> Any:
