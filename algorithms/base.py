@@ -56,7 +56,8 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from collectives import DTYPES, ArgumentError, validation
+from collectives import ArgumentError, as_flat, gpu, validation
+from collectives.buffers import DTYPE_CODES, dtype_code
 from collectives.context import context
 from collectives.p2p import bytes_sent
 
@@ -105,11 +106,12 @@ class Algorithm(ABC):
             problem = exc if isinstance(exc, ArgumentError) else ArgumentError(f"{type(exc).__name__}: {exc}")
         if validation.enabled(validate):
             signature = (0,) * 5 if problem else (
-                self.flat.size, DTYPES.index(self.flat.dtype), 0, validation.code(self.name),
+                self.flat.size, dtype_code(as_flat(self.flat.params)), 0, validation.code(self.name),
                 validation.code(repr(options)))
             validation.check(context(self.comm), "training algorithm set-up", problem, signature, _field_names)
         elif problem:
             raise problem
+        gpu.ensure(context(self.comm).comm, as_flat(self.flat.params))  # a device model: pick the transport now
         self._start()
         if broadcast_init:
             collectives.broadcast(self.flat.params, self.comm, validate=False)
@@ -191,4 +193,4 @@ def _field_names() -> tuple[dict[int, str], ...]:
     """Readable values of the set-up signature, for error messages."""
     from . import ALGORITHMS
 
-    return ({}, dict(enumerate(DTYPES)), {}, {validation.code(name): name for name in ALGORITHMS})
+    return ({}, DTYPE_CODES, {}, {validation.code(name): name for name in ALGORITHMS})

@@ -49,11 +49,11 @@ from __future__ import annotations
 
 from typing import Any, Hashable, Optional
 
-import numpy as np
 from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError, reduction
+from collectives.buffers import array_module
 from collectives.context import context
 from collectives.hierarchy import node_comms
 from collectives.layout import RanksPerNode
@@ -111,7 +111,7 @@ class LSGD(Algorithm):
             self._resolve(group)
             return
         self._intra = context(group).comm  # the tree phases run on its private communicator
-        self._red = reduction("avg", self.flat.dtype)
+        self._red = reduction("avg", self.flat.dtype, array_module(self.flat.grad_data))
         if self.representative:
             # The service thread's own communicator (another instance's thread may use
             # ``leaders`` at the same time); its collectives context is created here, not there.
@@ -139,11 +139,11 @@ class LSGD(Algorithm):
                 fresh, last = self._inter[self.iterations % 2], self._inter[1 - self.iterations % 2]
                 if not first:
                     self._collect()  # last = R(t-1)
-                np.copyto(fresh.data, g)
+                fresh.data[:] = g
                 self._background.submit(collectives.allreduce, fresh.owner, self._leaders, "sum",
                                         self.algorithm, validate=False)
                 if not first:
-                    np.copyto(g, last.data)
+                    g[:] = last.data
             if not first:
                 broadcast(g, self._intra)
         if not first:
