@@ -1,0 +1,200 @@
+"""Datasets for ``mpidl train``: loading, the train/test split, shards and batches.
+
+Datasets (:data:`DATASETS`); features are flattened images scaled to [0, 1]
+as float32, labels int64:
+
+* ``digits``: scikit-learn's bundled ``load_digits`` (1,797 8x8 images of
+  handwritten digits, 10 classes; no download). Train/test split: a
+  stratified 80/20 split (``train_test_split``) with the fixed seed
+  :data:`SPLIT_SEED`, the same whatever the training seed.
+* ``fashion-mnist``: Zalando's Fashion-MNIST (70,000 28x28 images, 10
+  classes) from its four IDX files, gzipped or raw
+  (``train-images-idx3-ubyte[.gz]``, ``train-labels-idx1-ubyte[.gz]``,
+  ``t10k-images-idx3-ubyte[.gz]``, ``t10k-labels-idx1-ubyte[.gz]``) in
+  ``--data-dir``, by default :data:`FASHION_MNIST_DIR` (where the Debian
+  package ``dataset-fashion-mnist`` puts them). Its own 60,000/10,000 split.
+
+Sharding (:func:`shard`): the training samples are permuted once with the
+training seed and cut into n nearly equal contiguous parts, one per worker
+(``numpy.array_split``): disjoint, covering, sizes differing by at most one.
+
+Batches (:func:`epoch_batches`): each epoch, worker r shuffles its shard with
+a generator seeded by (seed, epoch, r) alone, so a run is reproducible and an
+epoch can be regenerated without replaying the ones before it. Every worker
+takes the same number of steps per epoch, ceil(largest shard / batch size)
+(synchronous algorithms need equal counts); its shuffled shard is cut into
+that many consecutive batches of nearly equal size (at most the batch size,
+differing by at most one), so every sample is used once per epoch.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+#: Seed of the digits train/test split (fixed, so every run tests on the same images).
+SPLIT_SEED = 0
+#: Fraction of the digits held out for testing.
+TEST_FRACTION = 0.2
+#: Where the Debian package ``dataset-fashion-mnist`` installs the IDX files.
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+
+# Keys that keep the generators of the shard permutation and of each epoch's order apart.
+_SHARD_STREAM, _EPOCH_STREAM = 0, 1
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be loaded (missing files, bad format, unknown name)."""
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A classification dataset split into train and test.
+
+    Attributes:
+        name: the dataset's name in :data:`DATASETS`.
+        x_train, x_test: samples x features; raw pixels as loaded, float32 in
+            [0, 1] after :meth:`normalized`.
+        y_train, y_test: class labels, int64.
+        classes: number of classes.
+        pixel_max: the raw pixels' full scale (16 for digits, 255 for Fashion-MNIST).
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    classes: int
+    pixel_max: float
+
+    @property
+    def features(self) -> int:
+        """Number of features per sample."""
+        return int(self.x_train.shape[1])
+
+    def normalized(self) -> "Dataset":
+        """The dataset with float32 features in [0, 1]."""
+        scale = np.float32(1.0 / self.pixel_max)
+        return replace(self, x_train=self.x_train.astype(np.float32) * scale,
+                       x_test=self.x_test.astype(np.float32) * scale, pixel_max=1.0)
+
+
+def load_digits() -> Dataset:
+    """scikit-learn's bundled digits, split 80/20 (stratified, seed :data:`SPLIT_SEED`)."""
+    try:
+        from sklearn.datasets import load_digits as sk_load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as exc:
+        raise DatasetError("the digits dataset needs scikit-learn: pip install 'mpidl[train]'") from exc
+    x, y = sk_load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x.astype(np.uint8), y.astype(np.int64), test_size=TEST_FRACTION,
+                                              random_state=SPLIT_SEED, stratify=y)
+    return Dataset("digits", x_tr, y_tr, x_te, y_te, classes=10, pixel_max=16.0)
+
+
+def load_fashion_mnist(data_dir: Optional[str] = None) -> Dataset:
+    """Fashion-MNIST from its IDX files in ``data_dir`` (default :data:`FASHION_MNIST_DIR`)."""
+    folder = data_dir or FASHION_MNIST_DIR
+    parts = [read_idx(_find(folder, f"{split}-{kind}")) for split in ("train", "t10k")
+             for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")]
+    x_tr, y_tr, x_te, y_te = parts
+    for x, y in ((x_tr, y_tr), (x_te, y_te)):
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+            raise DatasetError(f"Fashion-MNIST in {folder}: images {x.shape} do not match labels {y.shape}")
+    return Dataset("fashion-mnist", x_tr.reshape(len(x_tr), -1), y_tr.astype(np.int64),
+                   x_te.reshape(len(x_te), -1), y_te.astype(np.int64), classes=10, pixel_max=255.0)
+
+
+#: Loaders by name; each takes the data directory (None: its default).
+DATASETS: dict[str, Callable[[Optional[str]], Dataset]] = {
+    "digits": lambda data_dir: load_digits(),
+    "fashion-mnist": load_fashion_mnist,
+}
+
+# IDX type codes (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT"); data is big-endian.
+_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str) -> np.ndarray:
+    """Read an IDX file (gzipped when its name ends in ``.gz``) into an array of its shape."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        blob = f.read()
+    if len(blob) < 4 or blob[0] != 0 or blob[1] != 0 or blob[2] not in _IDX_DTYPES:
+        raise DatasetError(f"{path}: not an IDX file (bad magic number)")
+    dtype, ndim = np.dtype(_IDX_DTYPES[blob[2]]), blob[3]
+    header = 4 + 4 * ndim
+    shape = tuple(int(d) for d in np.frombuffer(blob, ">u4", ndim, offset=4)) if len(blob) >= header else ()
+    if len(blob) != header + math.prod(shape) * dtype.itemsize or len(shape) != ndim:
+        raise DatasetError(f"{path}: {len(blob)} bytes do not match the IDX header (shape {shape}, {dtype})")
+    return np.frombuffer(blob, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def _find(folder: str, stem: str) -> str:
+    """The path of ``stem`` or ``stem.gz`` in ``folder``."""
+    for name in (stem + ".gz", stem):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return path
+    raise DatasetError(f"{stem}[.gz] not found in {folder} (the Debian package dataset-fashion-mnist installs "
+                       f"the files in {FASHION_MNIST_DIR}; --data-dir names another folder)")
+
+
+def load(name: str, data_dir: Optional[str] = None, comm: Optional[MPI.Comm] = None) -> Dataset:
+    """Load dataset ``name`` on rank 0 of ``comm`` and give every rank a normalized copy (collective).
+
+    Raises:
+        DatasetError: on every rank, if rank 0 could not load it.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    raw, error = None, None
+    if comm.Get_rank() == 0:
+        try:
+            loader = DATASETS.get(name)
+            if loader is None:
+                raise DatasetError(f"unknown dataset {name!r}; valid datasets: {', '.join(DATASETS)}")
+            raw = loader(data_dir)
+        except (DatasetError, OSError) as exc:
+            error = str(exc)
+    raw, error = comm.bcast((raw, error), root=0)
+    if error is not None:
+        raise DatasetError(error)
+    return raw.normalized()
+
+
+def shard(n: int, rank: int, size: int, seed: int) -> np.ndarray:
+    """The training-sample indices of worker ``rank`` of ``size`` (module docstring)."""
+    if n < size:
+        raise DatasetError(f"{n} training samples cannot be shared among {size} workers")
+    perm = np.random.default_rng([seed, _SHARD_STREAM]).permutation(n)
+    return np.array_split(perm, size)[rank]
+
+
+def steps_per_epoch(n: int, size: int, batch_size: int) -> int:
+    """Steps every worker takes per epoch: ceil(largest shard / batch size).
+
+    Raises:
+        DatasetError: a bad batch size, or one so small that the smallest
+            shard cannot fill every step (batch size 1 with uneven shards).
+    """
+    if batch_size < 1:
+        raise DatasetError(f"batch size must be at least 1, got {batch_size}")
+    steps = math.ceil(math.ceil(n / size) / batch_size)
+    if n // size < steps:
+        raise DatasetError(f"{n} samples on {size} workers: shards of {n // size} and {n // size + 1} samples "
+                           f"cannot all make {steps} batches; use a batch size of at least 2")
+    return steps
+
+
+def epoch_batches(indices: np.ndarray, steps: int, seed: int, epoch: int, rank: int) -> list[np.ndarray]:
+    """Worker ``rank``'s batches in ``epoch``: its shard ``indices`` shuffled by (seed, epoch,
+    rank) and cut into ``steps`` consecutive batches of nearly equal size."""
+    order = indices[np.random.default_rng([seed, _EPOCH_STREAM, epoch, rank]).permutation(len(indices))]
+    return np.array_split(order, steps)
