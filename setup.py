@@ -23,6 +23,8 @@ setup(
         "mpich": ["mpich"],
         "test": TEST,
         "plot": ["matplotlib>=3.5"],
+        # mpidl train: the bundled digits dataset, and thread limits for numpy's BLAS.
+        "train": ["scikit-learn>=1.0", "threadpoolctl>=3"],
         "torch": ["torch>=2.1"],
         "cupy": ["cupy-cuda12x"],
     },

@@ -39,6 +39,8 @@ from collectives import costmodel, gpu
 from collectives.context import context
 from collectives.layout import layout
 
+from . import plotting
+
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -256,12 +258,7 @@ def write_outputs(results: Sequence[Result], args: argparse.Namespace, meta: dic
 
 def plot(results: Sequence[Result], path: str, meta: dict) -> None:
     """Time vs size on log-log axes, one line per algorithm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plotting.pyplot().subplots(figsize=(7, 4.5))
     for name in dict.fromkeys(r.algorithm for r in results):
         pts = sorted((r.size, r.time) for r in results if r.algorithm == name)
         ax.plot([p[0] for p in pts], [p[1] * 1e6 for p in pts], marker="o", label=name,
@@ -271,10 +268,7 @@ def plot(results: Sequence[Result], path: str, meta: dict) -> None:
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("time per all-reduce (us)")
     ax.set_title(f"all-reduce, {meta['ranks']} ranks, {meta['dtype']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plotting.finish(fig, [ax], path)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -8,14 +8,32 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import IO, NoReturn, Optional, Sequence
 
-from . import bench, info
+from mpi4py import MPI
+
+from . import bench, info, train
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that prints help, usage and errors on rank 0 only: every
+    rank parses the same command line, and one copy of a message is enough."""
+
+    def print_help(self, file: Optional[IO[str]] = None) -> None:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super().print_help(file)
+
+    def print_usage(self, file: Optional[IO[str]] = None) -> None:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super().print_usage(file)
+
+    def exit(self, status: int = 0, message: Optional[str] = None) -> NoReturn:
+        super().exit(status, message if MPI.COMM_WORLD.Get_rank() == 0 else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpidl`` command and its subcommands."""
-    parser = argparse.ArgumentParser(prog="mpidl", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="mpidl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("info", help="report the MPI library, thread level, ranks and node layout")
     p.set_defaults(run=info.main)
@@ -23,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description=bench.__doc__.split("\n\n")[0])
     bench.add_arguments(p)
     p.set_defaults(run=bench.main)
+    p = sub.add_parser("train", help="train a model with a data-parallel algorithm, metrics per epoch",
+                       description=train.__doc__.split("\n\n")[0])
+    train.add_arguments(p)
+    p.set_defaults(run=train.main)
     return parser
 
 

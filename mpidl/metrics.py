@@ -1,0 +1,115 @@
+"""Per-epoch metrics of ``mpidl train``: what is measured, how, and the JSON record.
+
+After every epoch all workers evaluate together (collective over the
+workers' communicator). The evaluation reads the parameters but changes
+nothing the training uses: no parameter, gradient, optimizer state, counter
+or random generator; its time is not counted as training time.
+
+* The **averaged model** x_bar = (1/n) sum_i x_i is computed with an
+  all-reduce (average) of copies of the workers' flat parameters, and tested.
+* Each worker tests its **own model** x_i; the worst of these is reported.
+* The **consensus distance** is (1/n) sum_i ||x_i - x_bar||^2 / ||x_bar||^2:
+  0 when all workers hold the same model (AllReduce-SGD, LSGD), small when
+  a decentralized algorithm keeps them close.
+
+One JSON record per epoch (:func:`measure`); accuracies are fractions in
+[0, 1], times seconds, counters cumulative since the start of training:
+
+================================ =============================================================
+key                              value
+================================ =============================================================
+``epoch``                        1, 2, ...
+``time_s``                       training wall time so far, evaluation excluded; the slowest
+                                 worker's
+``epoch_s``                      this epoch's training wall time, the slowest worker's
+``eval_s``                       this evaluation's wall time (rank 0's)
+``train_loss``                   mean over workers of the mean minibatch loss of the epoch
+``test_loss``                    test loss of the averaged model
+``test_acc``                     test accuracy of the averaged model
+``test_acc_worst``               lowest test accuracy of a worker's own model
+``test_acc_mean``                mean over workers of their own models' test accuracy
+``consensus``                    consensus distance (above)
+``bytes_per_step_mean``, ``_max`` mean and max over workers of bytes sent / steps taken
+``bytes_total``                  bytes sent by all workers together
+``workers``                      per worker, lists indexed by rank: ``test_acc``,
+                                 ``consensus`` (||x_i - x_bar||^2 / ||x_bar||^2),
+                                 ``train_loss``, ``iterations``, ``bytes_sent``,
+                                 ``comm_wait_s`` (time its steps spent communicating or
+                                 waiting), ``time_s`` (its training wall time)
+================================ =============================================================
+
+Bytes are the payload a worker's steps sent (:attr:`algorithms.Algorithm.bytes_sent`),
+exact counts from the point-to-point layer; the evaluation's all-reduce is not
+counted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from mpi4py import MPI
+
+import collectives
+
+from . import plotting
+from .models import MLP
+
+
+def measure(epoch: int, algo: Any, net: MLP, x_test: Any, y_test: Any, comm: MPI.Comm, *,
+            train_loss: float, time_s: float, epoch_s: float) -> dict[str, Any]:
+    """Evaluate after ``epoch`` (collective) and return its record (module docstring) on every rank.
+
+    ``train_loss``, ``time_s`` and ``epoch_s`` are this worker's: its mean
+    minibatch loss this epoch, its training time so far and this epoch's.
+    """
+    t0 = time.perf_counter()
+    average = collectives.allreduce(net.copy(algo.params), comm, "avg", "ring")
+    test_loss, test_acc = net.evaluate(average, x_test, y_test)
+    _, own_acc = net.evaluate(algo.params, x_test, y_test)
+    distance, norm = net.squared_norms(algo.params, average)
+    mine = (own_acc, distance / norm if norm else 0.0, train_loss, algo.iterations, algo.bytes_sent,
+            algo.comm_wait_s, time_s, epoch_s)
+    acc, consensus, loss, iterations, sent, wait, times, epoch_times = map(list, zip(*comm.allgather(mine)))
+    n = len(acc)
+    per_step = [b / max(i, 1) for b, i in zip(sent, iterations)]
+    return {
+        "epoch": epoch,
+        "time_s": max(times),
+        "epoch_s": max(epoch_times),
+        "eval_s": time.perf_counter() - t0,
+        "train_loss": sum(loss) / n,
+        "test_loss": test_loss,
+        "test_acc": test_acc,
+        "test_acc_worst": min(acc),
+        "test_acc_mean": sum(acc) / n,
+        "consensus": sum(consensus) / n,
+        "bytes_per_step_mean": sum(per_step) / n,
+        "bytes_per_step_max": max(per_step),
+        "bytes_total": sum(sent),
+        "workers": {"test_acc": acc, "consensus": consensus, "train_loss": loss, "iterations": iterations,
+                    "bytes_sent": sent, "comm_wait_s": wait, "time_s": times},
+    }
+
+
+def line(record: dict[str, Any], epochs: int, model_bytes: int) -> str:
+    """One epoch's record as the line ``mpidl train`` prints."""
+    per_step = record["bytes_per_step_mean"]
+    return (f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs}  time {record['time_s']:7.2f} s  "
+            f"loss {record['train_loss']:.4f}  test acc {100 * record['test_acc']:6.2f}% (averaged model)  "
+            f"{100 * record['test_acc_worst']:6.2f}% (worst worker)  consensus {record['consensus']:.2e}  "
+            f"sent/step {per_step / 1024:8.1f} KiB ({per_step / model_bytes:.2f} x model)")
+
+
+def plot(records: Sequence[dict[str, Any]], path: str, title: str) -> None:
+    """Test accuracy (averaged model, worst worker) against training time and against epoch."""
+    fig, axes = plotting.pyplot().subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, key, label in ((axes[0], "time_s", "training time (s)"), (axes[1], "epoch", "epoch")):
+        x = [r[key] for r in records]
+        ax.plot(x, [100 * r["test_acc"] for r in records], marker="o", label="averaged model")
+        ax.plot(x, [100 * r["test_acc_worst"] for r in records], marker=".", linestyle="--",
+                label="worst worker")
+        ax.set_xlabel(label)
+    axes[0].set_ylabel("test accuracy (%)")
+    fig.suptitle(title)
+    plotting.finish(fig, axes, path)

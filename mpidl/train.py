@@ -1,0 +1,425 @@
+"""``mpidl train``: a training algorithm on a real dataset, with per-epoch metrics.
+
+    mpiexec -n 4 mpidl train --algorithm dpsgd --topology ring
+
+Every rank is a worker. Each trains an MLP (:mod:`mpidl.models`) on its own
+shard of the training set (:mod:`mpidl.data`), one batch per step: it zeroes
+its gradients, runs the forward and backward pass, and calls the algorithm's
+``step()`` (:mod:`algorithms`), which communicates and applies SGD with
+momentum. After every epoch the workers evaluate together
+(:mod:`mpidl.metrics`); rank 0 prints one line per epoch on stdout, shows a
+progress bar on stderr, and at the end writes ``--json`` and ``--plot``.
+
+Stragglers (``--slow RANK:FACTOR``): in every step, rank RANK measures the
+wall time c of its computation (zeroing the gradients, forward and backward
+pass, device work included) and then sleeps (FACTOR - 1) x c before calling
+``step()``, so its computation takes FACTOR times as long; the
+communication and the optimizer update inside ``step()`` are not stretched.
+The option may be repeated for several ranks.
+
+Threads: each worker uses ``--threads`` threads for torch and for numpy's
+BLAS (default: the machine's cores divided by the ranks on it, at least 1),
+so that ranks sharing a machine do not oversubscribe it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, TypeVar
+
+import numpy as np
+from mpi4py import MPI
+
+import algorithms
+import collectives
+from algorithms.topology import TOPOLOGIES, WEIGHTS, Topology
+
+from . import __version__, data, metrics, models, plotting
+
+T = TypeVar("T")
+
+
+class UsageError(ValueError):
+    """A bad ``mpidl train`` option or set-up (raised on every rank alike)."""
+
+
+@dataclass(frozen=True)
+class AlgorithmOption:
+    """A command-line option handed to the algorithms whose constructor takes ``keyword``."""
+
+    flag: str
+    keyword: str
+    help: str
+    choices: Optional[Sequence[str]] = None
+
+    @property
+    def dest(self) -> str:
+        """The attribute of the parsed arguments."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def applies_to(self) -> list[str]:
+        """Names of the algorithms that take this option."""
+        return [name for name, cls in algorithms.ALGORITHMS.items() if self.keyword in inspect.signature(cls).parameters]
+
+
+#: Algorithm options of the command line; each goes to the algorithms whose constructor takes its keyword.
+ALGORITHM_OPTIONS = (
+    AlgorithmOption("--topology", "topology", "communication graph (default ring)", list(TOPOLOGIES)),
+    AlgorithmOption("--weights", "weights", "mixing weights on the graph (default uniform)", list(WEIGHTS)),
+    AlgorithmOption("--collective", "algorithm", "the all-reduce algorithm (default auto: the cost model's choice)",
+                    [a for a in collectives.ALGORITHMS]),
+    AlgorithmOption("--layout", "layout", "ranks per node, e.g. 2 or 3,1: LSGD's groups, and the nodes of the "
+                    "topology-aware all-reduce algorithms (default: detected, or MPIDL_RANKS_PER_NODE)"),
+)
+
+_FLAG_OF = {opt.keyword: opt.dest for opt in ALGORITHM_OPTIONS}
+
+
+@dataclass
+class TrainConfig:
+    """What to train, and how (the ``mpidl train`` options without the output files)."""
+
+    algorithm: str = "dpsgd"
+    options: dict[str, Any] = field(default_factory=dict)
+    dataset: str = "digits"
+    data_dir: Optional[str] = None
+    hidden: tuple[int, ...] = (64,)
+    epochs: int = 20
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    backend: str = "auto"
+    device: str = "cpu"
+    threads: Optional[int] = None
+    slow: dict[int, float] = field(default_factory=dict)
+    progress: bool = True
+
+
+@dataclass
+class TrainResult:
+    """A finished run: its description, the per-epoch records, and this worker's final parameters."""
+
+    meta: dict[str, Any]
+    epochs: list[dict[str, Any]]
+    params: np.ndarray
+
+
+def parse_slow(text: str) -> tuple[int, float]:
+    """Parse ``RANK:FACTOR`` (e.g. "3:4") of ``--slow``."""
+    rank, sep, factor = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        value = (int(rank), float(factor))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad --slow {text!r}: use RANK:FACTOR, e.g. 3:4") from None
+    if value[0] < 0 or not value[1] >= 1:
+        raise argparse.ArgumentTypeError(f"bad --slow {text!r}: RANK must be >= 0 and FACTOR >= 1")
+    return value
+
+
+def _positive(kind: Callable[[str], T]) -> Callable[[str], T]:
+    def parse(text: str) -> T:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    parse = _positive(int)
+    return tuple(parse(s) for s in text.split(",")) if text else ()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``mpidl train`` options."""
+    defaults = TrainConfig()
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--algorithm", default=defaults.algorithm, choices=list(algorithms.ALGORITHMS),
+                   help=f"training algorithm (default {defaults.algorithm})")
+    for opt in ALGORITHM_OPTIONS:
+        g.add_argument(opt.flag, default=None, choices=opt.choices,
+                       help=f"{opt.help}; for {', '.join(opt.applies_to())}")
+    g = p.add_argument_group("data and model")
+    g.add_argument("--dataset", default=defaults.dataset, choices=list(data.DATASETS),
+                   help="digits: scikit-learn's bundled digits; fashion-mnist: IDX files from --data-dir "
+                        f"(default {data.FASHION_MNIST_DIR})")
+    g.add_argument("--data-dir", metavar="DIR", help="folder of the dataset's files")
+    g.add_argument("--hidden", type=_sizes, default=defaults.hidden, metavar="N[,N...]",
+                   help="hidden layer sizes, '' for none (default 64)")
+    g.add_argument("--backend", default=defaults.backend, choices=models.BACKENDS,
+                   help="model backend (default auto: torch if installed, else numpy)")
+    g.add_argument("--device", default=defaults.device, choices=["cpu", "cuda"],
+                   help="where the torch model and its buffers live (cuda: GPU local rank mod GPU count)")
+    g.add_argument("--threads", type=_positive(int), help="threads per worker (default: cores / ranks on the node)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=_positive(int), default=defaults.epochs, help=f"(default {defaults.epochs})")
+    g.add_argument("--batch-size", type=_positive(int), default=defaults.batch_size,
+                   help=f"per worker (default {defaults.batch_size})")
+    g.add_argument("--lr", type=_nonnegative_float, default=defaults.lr, help=f"learning rate (default {defaults.lr})")
+    g.add_argument("--momentum", type=_nonnegative_float, default=defaults.momentum,
+                   help=f"(default {defaults.momentum})")
+    g.add_argument("--seed", type=int, default=defaults.seed,
+                   help="seed of the initial model, the shards and every epoch's order (default 0)")
+    g.add_argument("--slow", type=parse_slow, action="append", default=[], metavar="RANK:FACTOR",
+                   help="make RANK's computation FACTOR times as long by sleeping (repeatable)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", metavar="FILE", help="write the run's description and per-epoch metrics as JSON")
+    g.add_argument("--plot", metavar="FILE.png", help="plot test accuracy against time and epoch (needs matplotlib)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def algorithm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The constructor keywords of ``args.algorithm`` from the algorithm options given.
+
+    Raises:
+        UsageError: an option given that the algorithm does not take.
+    """
+    options = {}
+    for opt in ALGORITHM_OPTIONS:
+        value = getattr(args, opt.dest)
+        if value is None:
+            continue
+        takers = opt.applies_to()
+        if args.algorithm not in takers:
+            raise UsageError(f"{opt.flag} does not apply to --algorithm {args.algorithm} "
+                             f"(it applies to {', '.join(takers)})")
+        options[opt.keyword] = value
+    return options
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed ``mpidl train`` arguments."""
+    slow: dict[int, float] = {}
+    for rank, factor in args.slow:
+        if rank in slow:
+            raise UsageError(f"--slow given twice for rank {rank}")
+        slow[rank] = factor
+    return TrainConfig(algorithm=args.algorithm, options=algorithm_options(args), dataset=args.dataset,
+                       data_dir=args.data_dir, hidden=args.hidden, epochs=args.epochs, batch_size=args.batch_size,
+                       lr=args.lr, momentum=args.momentum, seed=args.seed, backend=args.backend, device=args.device,
+                       threads=args.threads, slow=slow, progress=not args.no_progress)
+
+
+def _agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
+    """Run the local set-up ``fn`` on every rank; if it failed on any, raise a
+    :class:`UsageError` on every rank (so that none waits in a collective)."""
+    try:
+        value, problem = fn(), None
+    except (ValueError, ImportError, RuntimeError) as exc:
+        value, problem = None, str(exc)
+    failed = [(rank, p) for rank, p in enumerate(comm.allgather(problem)) if p]
+    if failed:
+        rank, problem = failed[0]
+        raise UsageError(problem if len({p for _, p in failed}) == 1 and len(failed) == comm.Get_size()
+                         else f"rank {rank}: {problem}")
+    return value
+
+
+def _set_threads(threads: int, backend: str) -> None:
+    """Limit torch's and numpy's BLAS threads (threadpoolctl, when installed)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        pass
+    else:
+        threadpool_limits(limits=threads)
+    if backend == "torch":
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _setup(config: TrainConfig, comm: MPI.Comm, local: MPI.Comm, sizes: tuple[int, ...]) -> tuple[models.MLP, int]:
+    """This worker's model (with its optimizer) and thread count; local checks only."""
+    bad = sorted(r for r in config.slow if r >= comm.Get_size())
+    if bad:
+        raise UsageError(f"--slow names rank(s) {bad}, but there are only {comm.Get_size()} ranks")
+    threads = config.threads or max(1, (os.cpu_count() or 1) // local.Get_size())
+    device = config.device
+    if device == "cuda" and models.torch_available():
+        import torch
+
+        device = f"cuda:{local.Get_rank() % max(1, torch.cuda.device_count())}"
+    net = models.make(config.backend, sizes, config.seed, device)
+    _set_threads(threads, net.backend)
+    net.make_optimizer(config.lr, config.momentum)
+    return net, threads
+
+
+def _progress(total: int, show: bool, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False, disable=not show)
+
+
+def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
+    """Run the training of ``config`` (collective over ``comm``, default ``MPI.COMM_WORLD``).
+
+    Rank 0 prints a header, one line per epoch and a summary on stdout.
+    Every rank returns the result.
+
+    Raises:
+        UsageError, data.DatasetError, collectives.ArgumentError: bad
+            options or set-up, on every rank alike.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dataset = data.load(config.dataset, config.data_dir, comm)
+    sizes = (dataset.features, *config.hidden, dataset.classes)
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        net, threads = _agreed(comm, lambda: _setup(config, comm, local, sizes))
+    finally:
+        local.Free()
+    indices = data.shard(len(dataset.y_train), rank, size, config.seed)
+    steps = data.steps_per_epoch(len(dataset.y_train), size, config.batch_size)
+    algo = algorithms.create(config.algorithm, net.model, net.optimizer, comm, **config.options)
+    try:
+        meta = _describe(config, dataset, net, algo, steps, threads)
+        if rank == 0:
+            print(_header(meta), flush=True)
+        records = _loop(config, dataset, net, algo, indices, steps, meta)
+        params = np.array(algo.flat.param_data if net.backend == "numpy" else algo.params.detach().cpu().numpy())
+    finally:
+        algo.close()
+    if rank == 0:
+        last = records[-1]
+        print(f"final: test accuracy {100 * last['test_acc']:.2f}% (averaged model), "
+              f"{100 * last['test_acc_worst']:.2f}% (worst worker); "
+              f"{last['bytes_per_step_mean']:.0f} B sent per worker per step = "
+              f"{last['bytes_per_step_mean'] / meta['model_bytes']:.2f} x model; "
+              f"{last['time_s']:.2f} s training", flush=True)
+    return TrainResult(meta, records, params)
+
+
+def _loop(config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo: algorithms.Algorithm,
+          indices: np.ndarray, steps: int, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The epochs: steps, then the evaluation; returns the per-epoch records."""
+    comm, rank = algo.comm, algo.rank
+    x_train, y_train = net.array(dataset.x_train), net.array(dataset.y_train)
+    x_test, y_test = net.array(dataset.x_test), net.array(dataset.y_test)
+    factor = config.slow.get(rank, 1.0)
+    bar = _progress(config.epochs * steps, config.progress and rank == 0, f"train {config.algorithm}")
+    records: list[dict[str, Any]] = []
+    time_s = 0.0
+    try:
+        for epoch in range(1, config.epochs + 1):
+            batches = data.epoch_batches(indices, steps, config.seed, epoch, rank)
+            order = net.array(np.concatenate(batches))
+            ends = np.cumsum([len(b) for b in batches]).tolist()
+            loss_sum: Any = 0.0
+            t0 = time.perf_counter()
+            for start, end in zip([0] + ends[:-1], ends):
+                batch = order[start:end]
+                t = time.perf_counter()
+                algo.zero_grad()
+                loss_sum = loss_sum + net.loss_backward(x_train[batch], y_train[batch])
+                if factor > 1:
+                    net.synchronize()
+                    time.sleep((factor - 1) * (time.perf_counter() - t))
+                algo.step()
+                bar.update()
+            net.synchronize()
+            epoch_s = time.perf_counter() - t0
+            time_s += epoch_s
+            records.append(metrics.measure(epoch, algo, net, x_test, y_test, comm, train_loss=float(loss_sum) / steps,
+                                           time_s=time_s, epoch_s=epoch_s))
+            if rank == 0:
+                bar.write(metrics.line(records[-1], config.epochs, meta["model_bytes"]), file=sys.stdout)
+                sys.stdout.flush()
+    finally:
+        bar.close()
+    return records
+
+
+def _describe(config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo: algorithms.Algorithm,
+              steps: int, threads: int) -> dict[str, Any]:
+    """The ``meta`` part of the JSON: the run's configuration and what it resolved to."""
+    meta = {
+        "command": "mpidl train", "version": __version__,
+        "algorithm": config.algorithm, "options": {_FLAG_OF.get(k, k): str(v) for k, v in config.options.items()},
+        "workers": algo.size, "dataset": dataset.name, "train_samples": len(dataset.y_train),
+        "test_samples": len(dataset.y_test), "features": dataset.features, "classes": dataset.classes,
+        "model": models.describe(net.sizes), "layers": list(net.sizes), "parameters": net.parameters,
+        "model_bytes": algo.flat.nbytes, "backend": net.backend,
+        "device": str(getattr(net, "device", "cpu")), "threads": threads,
+        "epochs": config.epochs, "steps_per_epoch": steps, "batch_size": config.batch_size,
+        "lr": config.lr, "momentum": config.momentum, "seed": config.seed,
+        "slow": {str(r): f for r, f in sorted(config.slow.items())},
+        "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+    }
+    topo = getattr(algo, "topology", None)
+    if isinstance(topo, Topology):
+        meta["topology"] = {"name": topo.name, "spectral_gap": topo.spectral_gap}
+    return meta
+
+
+def _header(meta: dict[str, Any]) -> str:
+    """The two lines rank 0 prints before training."""
+    what = meta["algorithm"]
+    if meta["options"]:
+        what += " (" + ", ".join(f"{k}={v}" for k, v in meta["options"].items()) + ")"
+    if "topology" in meta:
+        what += f", {meta['topology']['name']} spectral gap {meta['topology']['spectral_gap']:.3f}"
+    slow = "".join(f", rank {r} slowed x{f:g}" for r, f in meta["slow"].items())
+    return (f"# mpidl train: {what} on {meta['dataset']} ({meta['train_samples']} train / "
+            f"{meta['test_samples']} test samples), {meta['workers']} workers{slow}\n"
+            f"# {meta['model']} ({meta['parameters']} parameters, {meta['model_bytes']} B), {meta['backend']} on "
+            f"{meta['device']}, {meta['threads']} thread(s) per worker; {meta['epochs']} epochs x "
+            f"{meta['steps_per_epoch']} steps, batch <= {meta['batch_size']} per worker, lr {meta['lr']}, "
+            f"momentum {meta['momentum']}, seed {meta['seed']}")
+
+
+def write_json(result: TrainResult, path: str) -> None:
+    """Write ``{"meta": ..., "epochs": [...]}`` to ``path``."""
+    with open(path, "w") as f:
+        json.dump({"meta": result.meta, "epochs": result.epochs}, f, indent=1)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``mpidl train`` with parsed ``args``; rank 0 prints and writes the files."""
+    from .runtime import init
+
+    comm = init()
+    try:
+        config = config_from_args(args)
+        if args.plot:
+            plotting.require()
+        result = train(config, comm)
+    except (UsageError, data.DatasetError, collectives.ArgumentError, ValueError) as exc:
+        if comm.Get_rank() == 0:
+            print(f"mpidl train: error: {exc}", file=sys.stderr)
+        return 2
+    if comm.Get_rank() == 0:
+        if args.json:
+            write_json(result, args.json)
+        if args.plot:
+            metrics.plot(result.epochs, args.plot, f"{config.algorithm} on {config.dataset}, {comm.Get_size()} workers")
+    return 0
+
+
+__all__ = ["ALGORITHM_OPTIONS", "AlgorithmOption", "TrainConfig", "TrainResult", "UsageError", "add_arguments",
+           "algorithm_options", "config_from_args", "main", "parse_slow", "train", "write_json"]

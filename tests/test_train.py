@@ -1,0 +1,103 @@
+"""``mpidl train`` under its own mpiexec: the JSON it writes, reproducibility, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from mpitest import mpiexec, on_rank0_quietly
+
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn")]
+
+QUICK = ["--epochs", "2", "--hidden", "16", "--no-progress"]
+
+EPOCH_KEYS = {"epoch", "time_s", "epoch_s", "eval_s", "train_loss", "test_loss", "test_acc", "test_acc_worst",
+              "test_acc_mean", "consensus", "bytes_per_step_mean", "bytes_per_step_max", "bytes_total", "workers"}
+WORKER_KEYS = {"test_acc", "consensus", "train_loss", "iterations", "bytes_sent", "comm_wait_s", "time_s"}
+
+
+def train(n: int, *argv: str) -> tuple[int, str, str]:
+    """Run ``mpidl train`` on n ranks from rank 0; (exit status, stdout, stderr) on every rank."""
+    proc = on_rank0_quietly(mpiexec, n, ["-m", "mpidl", "train", *argv], timeout=180)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def read(path: Path) -> dict:
+    return on_rank0_quietly(lambda: json.loads(path.read_text()))
+
+
+def test_dpsgd_ring_writes_the_documented_json_and_plot(tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tmp_path_factory.mktemp("train")
+    rc, stdout, stderr = train(4, "--algorithm", "dpsgd", "--topology", "ring", "--backend", "numpy",
+                               "--json", str(out / "run.json"), "--plot", str(out / "run.png"), *QUICK)
+    assert rc == 0, stderr
+    assert stdout.startswith("# mpidl train: dpsgd (topology=ring), ring(4)")
+    assert [line.split()[1] for line in stdout.splitlines() if line.startswith("epoch")] == ["1/2", "2/2"]
+    assert "final: test accuracy" in stdout
+    run = read(out / "run.json")
+    meta, epochs = run["meta"], run["epochs"]
+    assert meta["workers"] == 4 and meta["algorithm"] == "dpsgd" and meta["options"] == {"topology": "ring"}
+    assert meta["layers"] == [64, 16, 10] and meta["model_bytes"] == 4 * meta["parameters"] == 4 * 1210
+    assert meta["steps_per_epoch"] == 12 and meta["topology"]["spectral_gap"] == pytest.approx(2 / 3)
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    for e in epochs:
+        assert set(e) == EPOCH_KEYS and set(e["workers"]) == WORKER_KEYS
+        assert all(len(v) == 4 for v in e["workers"].values())
+        assert 0 <= e["test_acc_worst"] <= e["test_acc_mean"] <= 1 and 0 <= e["test_acc"] <= 1
+        assert 0 < e["consensus"] < 1 and e["time_s"] > 0
+    last = epochs[-1]
+    assert last["workers"]["iterations"] == [24] * 4
+    # A ring of 4: each step sends the model to two neighbors.
+    assert last["bytes_per_step_mean"] == last["bytes_per_step_max"] == 2 * meta["model_bytes"]
+    assert last["bytes_total"] == 4 * 24 * 2 * meta["model_bytes"]
+    assert on_rank0_quietly(lambda: (out / "run.png").read_bytes()[:8]) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_same_seed_same_metrics(tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tmp_path_factory.mktemp("seed")
+    runs = []
+    for name, seed in (("a", "5"), ("b", "5"), ("c", "6")):
+        rc, _, stderr = train(2, "--algorithm", "dpsgd", "--backend", "numpy", "--seed", seed,
+                              "--json", str(out / f"{name}.json"), *QUICK)
+        assert rc == 0, stderr
+        runs.append(read(out / f"{name}.json")["epochs"])
+
+    def untimed(epochs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in e.items() if not k.endswith("_s") and k != "workers"}
+                | {k: v for k, v in e["workers"].items() if not k.endswith("_s")} for e in epochs]
+
+    assert untimed(runs[0]) == untimed(runs[1])
+    assert untimed(runs[0]) != untimed(runs[2])
+
+
+def test_torch_allreduce_keeps_one_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path_factory.mktemp("torch") / "run.json"
+    rc, stdout, stderr = train(2, "--algorithm", "allreduce", "--collective", "ring", "--backend", "torch",
+                               "--slow", "1:2", "--json", str(out), *QUICK)
+    assert rc == 0, stderr
+    run = read(out)
+    assert run["meta"]["backend"] == "torch" and run["meta"]["slow"] == {"1": 2.0}
+    assert "rank 1 slowed x2" in stdout
+    last = run["epochs"][-1]
+    assert last["consensus"] == 0 and last["test_acc_worst"] == last["test_acc"]
+    # Ring all-reduce on 2 ranks: 2 (n-1)/n = 1 model per step.
+    assert last["bytes_per_step_mean"] == run["meta"]["model_bytes"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--algorithm", "nope"], "invalid choice: 'nope'"),
+    (["--slow", "3"], "bad --slow '3': use RANK:FACTOR"),
+    (["--slow", "2:3"], "--slow names rank(s) [2], but there are only 2 ranks"),
+    (["--algorithm", "allreduce", "--topology", "ring"], "--topology does not apply to --algorithm allreduce"),
+    (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent"], "not found in /nonexistent"),
+])
+def test_errors_are_reported_once_with_exit_status_2(argv: list[str], message: str) -> None:
+    rc, stdout, stderr = train(2, *argv, "--backend", "numpy", "--no-progress")
+    assert rc == 2
+    assert stderr.count(message) == 1, stderr
+    assert "Traceback" not in stderr

@@ -1,0 +1,187 @@
+"""The pieces of ``mpidl train`` that need no MPI job: data, models, option parsing."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+
+import numpy as np
+import pytest
+
+from mpidl import data, models
+from mpidl.cli import build_parser
+from mpidl.train import UsageError, config_from_args, parse_slow
+
+
+@pytest.mark.parametrize("n,size", [(10, 1), (10, 3), (1437, 4), (7, 7), (100, 8)])
+def test_shards_are_disjoint_and_cover_the_training_set(n: int, size: int) -> None:
+    shards = [data.shard(n, r, size, seed=3) for r in range(size)]
+    joined = np.concatenate(shards)
+    assert sorted(joined.tolist()) == list(range(n))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    assert all(np.array_equal(s, data.shard(n, r, size, seed=3)) for r, s in enumerate(shards))
+    assert not np.array_equal(joined, np.concatenate([data.shard(n, r, size, seed=4) for r in range(size)]))
+
+
+def test_shard_needs_a_sample_per_worker() -> None:
+    with pytest.raises(data.DatasetError, match="3 training samples cannot be shared among 4 workers"):
+        data.shard(3, 0, 4, seed=0)
+
+
+def test_epoch_batches_use_every_sample_once_in_equal_step_counts() -> None:
+    n, size, batch = 1437, 4, 32
+    steps = data.steps_per_epoch(n, size, batch)
+    assert steps == 12
+    for rank in range(size):
+        indices = data.shard(n, rank, size, seed=0)
+        batches = data.epoch_batches(indices, steps, seed=0, epoch=1, rank=rank)
+        assert len(batches) == steps and all(0 < len(b) <= batch for b in batches)
+        assert sorted(np.concatenate(batches).tolist()) == sorted(indices.tolist())
+        again = data.epoch_batches(indices, steps, seed=0, epoch=1, rank=rank)
+        assert all(np.array_equal(a, b) for a, b in zip(batches, again))
+        other = data.epoch_batches(indices, steps, seed=0, epoch=2, rank=rank)
+        assert not np.array_equal(np.concatenate(batches), np.concatenate(other))
+
+
+def test_steps_per_epoch_rejects_batches_that_cannot_be_filled() -> None:
+    with pytest.raises(data.DatasetError, match="batch size of at least 2"):
+        data.steps_per_epoch(9, 4, 1)
+    with pytest.raises(data.DatasetError, match="at least 1"):
+        data.steps_per_epoch(9, 4, 0)
+
+
+def _write_idx(path, array: np.ndarray, code: int) -> None:
+    blob = bytes([0, 0, code, array.ndim]) + np.array(array.shape, ">u4").tobytes() + array.tobytes()
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "wb") as f:
+        f.write(blob)
+
+
+def test_fashion_mnist_reads_gzipped_and_raw_idx_files(tmp_path) -> None:
+    rng = np.random.default_rng(0)
+    images = {s: rng.integers(0, 256, (n, 28, 28), dtype=np.uint8) for s, n in (("train", 6), ("t10k", 4))}
+    labels = {s: rng.integers(0, 10, len(images[s]), dtype=np.uint8) for s in images}
+    for split in images:  # images gzipped, labels raw: both forms are found
+        _write_idx(tmp_path / f"{split}-images-idx3-ubyte.gz", images[split], 0x08)
+        _write_idx(tmp_path / f"{split}-labels-idx1-ubyte", labels[split], 0x08)
+    ds = data.load_fashion_mnist(str(tmp_path))
+    assert ds.x_train.shape == (6, 784) and ds.x_test.shape == (4, 784) and ds.features == 784
+    assert np.array_equal(ds.x_train, images["train"].reshape(6, -1))
+    assert np.array_equal(ds.y_test, labels["t10k"]) and ds.y_test.dtype == np.int64
+    norm = ds.normalized()
+    assert norm.x_train.dtype == np.float32 and 0 <= norm.x_train.min() and norm.x_train.max() <= 1
+    assert np.allclose(norm.x_train * 255, images["train"].reshape(6, -1))
+
+
+def test_idx_errors_are_clear(tmp_path) -> None:
+    (tmp_path / "bad").write_bytes(b"\x01\x02\x03\x04")
+    with pytest.raises(data.DatasetError, match="not an IDX file"):
+        data.read_idx(str(tmp_path / "bad"))
+    _write_idx(tmp_path / "short", np.zeros((3, 2), np.uint8), 0x08)
+    (tmp_path / "short").write_bytes((tmp_path / "short").read_bytes()[:-1])
+    with pytest.raises(data.DatasetError, match="do not match the IDX header"):
+        data.read_idx(str(tmp_path / "short"))
+    _write_idx(tmp_path / "wide", np.arange(6, dtype=">i4").reshape(2, 3), 0x0C)
+    assert data.read_idx(str(tmp_path / "wide")).tolist() == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(data.DatasetError, match="train-images-idx3-ubyte.*not found"):
+        data.load_fashion_mnist(str(tmp_path))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn")
+def test_digits_split_is_fixed_and_stratified() -> None:
+    a, b = data.load_digits(), data.load_digits()
+    assert len(a.y_train) == 1437 and len(a.y_test) == 360 and a.features == 64
+    assert np.array_equal(a.x_test, b.x_test) and np.array_equal(a.y_train, b.y_train)
+    assert np.bincount(a.y_test, minlength=10).min() >= 35
+
+
+def test_numpy_mlp_gradient_matches_finite_differences() -> None:
+    net = models.NumpyMLP((5, 4, 3, 3), seed=1, dtype=np.float64)
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(7, 5)), rng.integers(0, 3, 7)
+    grad = np.empty_like(net.params)
+    loss = net.loss_and_grad(net.params, x, y, grad)
+    assert loss == pytest.approx(net.evaluate(net.params, x, y)[0])
+    eps, numeric = 1e-6, np.empty_like(grad)
+    for i in range(net.params.size):
+        shifted = net.params.copy()
+        shifted[i] += eps
+        up = net.evaluate(shifted, x, y)[0]
+        shifted[i] -= 2 * eps
+        numeric[i] = (up - net.evaluate(shifted, x, y)[0]) / (2 * eps)
+    np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-8)
+
+
+def test_init_follows_torch_linear_bounds() -> None:
+    sizes = (64, 32, 10)
+    flat = models.init_params(sizes, seed=0)
+    net = models.NumpyMLP(sizes, seed=0)
+    assert np.array_equal(net.params, flat) and flat.dtype == np.float32 and net.parameters == flat.size
+    for (w, b), fan_in in zip(net.layers(flat), sizes[:-1]):
+        bound = 1 / np.sqrt(fan_in)
+        assert np.abs(w).max() <= bound and np.abs(b).max() <= bound and np.abs(w).max() > 0.9 * bound
+
+
+def test_torch_and_numpy_mlps_agree() -> None:
+    torch = pytest.importorskip("torch")
+    sizes = (6, 5, 4)
+    tnet, nnet = models.TorchMLP(sizes, seed=3), models.NumpyMLP(sizes, seed=3)
+    flat = torch.nn.utils.parameters_to_vector(tnet.model.parameters()).detach()
+    assert np.array_equal(flat.numpy(), nnet.params)
+    rng = np.random.default_rng(4)
+    x, y = rng.random((9, 6), dtype=np.float32), rng.integers(0, 4, 9)
+    loss = float(tnet.loss_backward(tnet.array(x), tnet.array(y)))
+    grad = torch.cat([p.grad.reshape(-1) for p in tnet.model.parameters()]).numpy()
+    nnet.make_optimizer(lr=0.1, momentum=0.0)
+    assert loss == pytest.approx(nnet.loss_backward(x, y), rel=1e-5)
+    np.testing.assert_allclose(grad, nnet.optimizer.grad, rtol=1e-4, atol=1e-6)
+    t_eval = tnet.evaluate(flat, tnet.array(x), tnet.array(y))
+    assert t_eval == pytest.approx(nnet.evaluate(nnet.params, x, y), rel=1e-5)
+
+
+def test_backend_errors_are_clear() -> None:
+    with pytest.raises(ValueError, match="numpy backend runs on the CPU only"):
+        models.make("numpy", (4, 2), seed=0, device="cuda")
+    with pytest.raises(ValueError, match="unknown backend 'jax'"):
+        models.make("jax", (4, 2), seed=0)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["train", *argv])
+
+
+def test_slow_parsing() -> None:
+    assert parse_slow("3:4") == (3, 4.0) and parse_slow("0:1.5") == (0, 1.5)
+    for bad in ("3", "3:", ":4", "a:2", "3:x", "-1:2", "2:0.5", "2:nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match="bad --slow"):
+            parse_slow(bad)
+    assert config_from_args(_args("--slow", "1:2", "--slow", "3:4")).slow == {1: 2.0, 3: 4.0}
+    with pytest.raises(UsageError, match="--slow given twice for rank 1"):
+        config_from_args(_args("--slow", "1:2", "--slow", "1:3"))
+
+
+def test_algorithm_options_go_to_the_algorithms_that_take_them() -> None:
+    cfg = config_from_args(_args("--algorithm", "lsgd", "--collective", "ring", "--layout", "2"))
+    assert cfg.options == {"algorithm": "ring", "layout": "2"}
+    assert config_from_args(_args("--algorithm", "dpsgd", "--topology", "torus")).options == {"topology": "torus"}
+    assert config_from_args(_args("--algorithm", "allreduce")).options == {}
+    with pytest.raises(UsageError, match="--topology does not apply to --algorithm allreduce"):
+        config_from_args(_args("--algorithm", "allreduce", "--topology", "ring"))
+    with pytest.raises(UsageError, match="--collective does not apply to --algorithm dpsgd"):
+        config_from_args(_args("--collective", "ring"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--algorithm", "nope"], "invalid choice: 'nope'"),
+    (["--epochs", "0"], "expected a positive int"),
+    (["--lr", "-1"], "expected a number >= 0"),
+    (["--hidden", "64,x"], "expected a positive int"),
+])
+def test_bad_values_are_refused_by_the_parser(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _args(*argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    from mpi4py import MPI
+
+    assert message in err if MPI.COMM_WORLD.Get_rank() == 0 else err == ""
