@@ -59,9 +59,11 @@ class MLP(ABC):
         model: what :func:`algorithms.create` wraps (a ``torch.nn.Module`` or
             the numpy flat parameter array).
         optimizer: the local SGD optimizer, once :meth:`make_optimizer` made it.
+        device: where the parameters live.
     """
 
     backend: ClassVar[str]
+    device: Any = "cpu"
 
     def __init__(self, sizes: Sequence[int]) -> None:
         if len(sizes) < 2 or min(sizes) < 1:
@@ -98,6 +100,23 @@ class MLP(ABC):
     @abstractmethod
     def squared_norms(self, params: Any, center: Any) -> tuple[float, float]:
         """(||params - center||^2, ||center||^2), accumulated in float64."""
+
+    @abstractmethod
+    def to_numpy(self, params: Any) -> np.ndarray:
+        """A host copy of the flat buffer ``params``."""
+
+    @abstractmethod
+    def load(self, params: Any, values: np.ndarray) -> None:
+        """Copy ``values`` into the flat buffer ``params``."""
+
+    @abstractmethod
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        """The optimizer's state as host arrays: ``{"momentum": the flat momentum buffer}``,
+        or ``{}`` before the first momentum step (and without momentum)."""
+
+    @abstractmethod
+    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what :meth:`optimizer_state` returned (into a fresh optimizer)."""
 
     def synchronize(self) -> None:
         """Wait for queued device work (so that host clocks measure it)."""
@@ -182,6 +201,21 @@ class NumpyMLP(MLP):
         c = center.astype(np.float64)
         return float(np.sum((params - c) ** 2)), float(np.dot(c, c))
 
+    def to_numpy(self, params: np.ndarray) -> np.ndarray:
+        return params.copy()
+
+    def load(self, params: np.ndarray, values: np.ndarray) -> None:
+        params[...] = values
+
+    # algorithms.optim.SGD keeps its momentum buffer in ``_buf`` and whether it holds one in ``_started``.
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        return {"momentum": self.optimizer._buf.copy()} if self.optimizer._started and self.optimizer.momentum else {}
+
+    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        if "momentum" in state:
+            self.optimizer._buf[...] = state["momentum"]
+            self.optimizer._started = True
+
 
 class TorchMLP(MLP):
     """The MLP as a ``torch.nn.Sequential`` on ``device``.
@@ -245,6 +279,33 @@ class TorchMLP(MLP):
     def squared_norms(self, params: Any, center: Any) -> tuple[float, float]:
         c = center.double()
         return float((params.double() - c).square().sum()), float(c.square().sum())
+
+    def to_numpy(self, params: Any) -> np.ndarray:
+        return params.detach().cpu().numpy().copy()
+
+    def load(self, params: Any, values: np.ndarray) -> None:
+        import torch
+
+        with torch.no_grad():
+            params.copy_(torch.from_numpy(values))
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        import torch
+
+        buffers = [self.optimizer.state[p].get("momentum_buffer") for p in self.model.parameters()]
+        if any(b is None for b in buffers):
+            return {}
+        return {"momentum": torch.cat([b.reshape(-1) for b in buffers]).cpu().numpy()}
+
+    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        import torch
+
+        if "momentum" not in state:
+            return
+        flat, offset = torch.from_numpy(state["momentum"]), 0
+        for p in self.model.parameters():
+            self.optimizer.state[p]["momentum_buffer"] = flat[offset:offset + p.numel()].view_as(p).to(p.device).clone()
+            offset += p.numel()
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

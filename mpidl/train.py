@@ -17,6 +17,17 @@ pass, device work included) and then sleeps (FACTOR - 1) x c before calling
 communication and the optimizer update inside ``step()`` are not stretched.
 The option may be repeated for several ranks.
 
+Checkpoints (``--checkpoint DIR``, ``--checkpoint-every K``, ``--resume``):
+after the last step, and after every K-th step, every worker saves its
+parameters, its optimizer's momentum, its counters, the loop's position and
+the metrics so far (:mod:`mpidl.checkpoint`: one file per worker, written
+atomically). ``--resume`` restores them and continues with the next step;
+since an epoch's batches depend only on (seed, epoch, rank), the resumed run
+takes exactly the steps the uninterrupted run would have, and ends with the
+same parameters and metrics (times aside). Checkpoints hold the whole state
+of AllReduce-SGD and D-PSGD; LSGD keeps an all-reduce in flight between
+steps, and is refused.
+
 Threads: each worker uses ``--threads`` threads for torch and for numpy's
 BLAS (default: the machine's cores divided by the ranks on it, at least 1),
 so that ranks sharing a machine do not oversubscribe it.
@@ -40,7 +51,7 @@ import algorithms
 import collectives
 from algorithms.topology import TOPOLOGIES, WEIGHTS, Topology
 
-from . import __version__, data, metrics, models, plotting
+from . import __version__, checkpoint, data, metrics, models, plotting
 
 T = TypeVar("T")
 
@@ -65,7 +76,8 @@ class AlgorithmOption:
 
     def applies_to(self) -> list[str]:
         """Names of the algorithms that take this option."""
-        return [name for name, cls in algorithms.ALGORITHMS.items() if self.keyword in inspect.signature(cls).parameters]
+        return [name for name, cls in algorithms.ALGORITHMS.items()
+                if self.keyword in inspect.signature(cls).parameters]
 
 
 #: Algorithm options of the command line; each goes to the algorithms whose constructor takes its keyword.
@@ -73,12 +85,15 @@ ALGORITHM_OPTIONS = (
     AlgorithmOption("--topology", "topology", "communication graph (default ring)", list(TOPOLOGIES)),
     AlgorithmOption("--weights", "weights", "mixing weights on the graph (default uniform)", list(WEIGHTS)),
     AlgorithmOption("--collective", "algorithm", "the all-reduce algorithm (default auto: the cost model's choice)",
-                    [a for a in collectives.ALGORITHMS]),
+                    list(collectives.ALGORITHMS)),
     AlgorithmOption("--layout", "layout", "ranks per node, e.g. 2 or 3,1: LSGD's groups, and the nodes of the "
                     "topology-aware all-reduce algorithms (default: detected, or MPIDL_RANKS_PER_NODE)"),
 )
 
 _FLAG_OF = {opt.keyword: opt.dest for opt in ALGORITHM_OPTIONS}
+
+#: Algorithms whose whole state between steps is the parameters and the optimizer's: those a checkpoint can hold.
+CHECKPOINTABLE = ("allreduce", "dpsgd")
 
 
 @dataclass
@@ -100,6 +115,9 @@ class TrainConfig:
     threads: Optional[int] = None
     slow: dict[int, float] = field(default_factory=dict)
     progress: bool = True
+    checkpoint: Optional[str] = None
+    checkpoint_every: int = 0
+    resume: bool = False
 
 
 @dataclass
@@ -189,6 +207,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", metavar="FILE", help="write the run's description and per-epoch metrics as JSON")
     g.add_argument("--plot", metavar="FILE.png", help="plot test accuracy against time and epoch (needs matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint", metavar="DIR", help="write checkpoints into DIR: after the last step, and every "
+                   "--checkpoint-every steps")
+    g.add_argument("--checkpoint-every", type=_positive(int), default=0, metavar="K",
+                   help="also write a checkpoint after every K-th step")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint DIR (same options; --epochs may grow)")
 
 
 def algorithm_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,7 +245,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(algorithm=args.algorithm, options=algorithm_options(args), dataset=args.dataset,
                        data_dir=args.data_dir, hidden=args.hidden, epochs=args.epochs, batch_size=args.batch_size,
                        lr=args.lr, momentum=args.momentum, seed=args.seed, backend=args.backend, device=args.device,
-                       threads=args.threads, slow=slow, progress=not args.no_progress)
+                       threads=args.threads, slow=slow, progress=not args.no_progress, checkpoint=args.checkpoint,
+                       checkpoint_every=args.checkpoint_every, resume=args.resume)
 
 
 def _agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
@@ -286,7 +312,12 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
             options or set-up, on every rank alike.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    rank, size = comm.Get_rank(), comm.Get_size()
+    if config.resume and not config.checkpoint:
+        raise UsageError("--resume needs --checkpoint DIR, the folder to resume from")
+    if config.checkpoint and config.algorithm not in CHECKPOINTABLE:
+        raise UsageError(f"checkpoints hold parameters and optimizer state, the whole state of "
+                         f"{' and '.join(CHECKPOINTABLE)}; {config.algorithm} keeps communication in flight "
+                         "between steps, which they cannot hold yet")
     dataset = data.load(config.dataset, config.data_dir, comm)
     sizes = (dataset.features, *config.hidden, dataset.classes)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -294,65 +325,132 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
         net, threads = _agreed(comm, lambda: _setup(config, comm, local, sizes))
     finally:
         local.Free()
-    indices = data.shard(len(dataset.y_train), rank, size, config.seed)
-    steps = data.steps_per_epoch(len(dataset.y_train), size, config.batch_size)
+    steps = data.steps_per_epoch(len(dataset.y_train), comm.Get_size(), config.batch_size)
     algo = algorithms.create(config.algorithm, net.model, net.optimizer, comm, **config.options)
     try:
-        meta = _describe(config, dataset, net, algo, steps, threads)
-        if rank == 0:
-            print(_header(meta), flush=True)
-        records = _loop(config, dataset, net, algo, indices, steps, meta)
-        params = np.array(algo.flat.param_data if net.backend == "numpy" else algo.params.detach().cpu().numpy())
+        run = _Run(config, dataset, net, algo, steps, threads)
+        if config.resume:
+            _agreed(comm, run.restore)
+        if comm.Get_rank() == 0:
+            print(_header(run.meta), flush=True)
+        run.epochs()
+        params = net.to_numpy(algo.params)
     finally:
         algo.close()
-    if rank == 0:
-        last = records[-1]
+    if comm.Get_rank() == 0 and run.records:
+        last = run.records[-1]
         print(f"final: test accuracy {100 * last['test_acc']:.2f}% (averaged model), "
               f"{100 * last['test_acc_worst']:.2f}% (worst worker); "
               f"{last['bytes_per_step_mean']:.0f} B sent per worker per step = "
-              f"{last['bytes_per_step_mean'] / meta['model_bytes']:.2f} x model; "
+              f"{last['bytes_per_step_mean'] / run.meta['model_bytes']:.2f} x model; "
               f"{last['time_s']:.2f} s training", flush=True)
-    return TrainResult(meta, records, params)
+    return TrainResult(run.meta, run.records, params)
 
 
-def _loop(config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo: algorithms.Algorithm,
-          indices: np.ndarray, steps: int, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """The epochs: steps, then the evaluation; returns the per-epoch records."""
-    comm, rank = algo.comm, algo.rank
-    x_train, y_train = net.array(dataset.x_train), net.array(dataset.y_train)
-    x_test, y_test = net.array(dataset.x_test), net.array(dataset.y_test)
-    factor = config.slow.get(rank, 1.0)
-    bar = _progress(config.epochs * steps, config.progress and rank == 0, f"train {config.algorithm}")
-    records: list[dict[str, Any]] = []
-    time_s = 0.0
-    try:
-        for epoch in range(1, config.epochs + 1):
-            batches = data.epoch_batches(indices, steps, config.seed, epoch, rank)
-            order = net.array(np.concatenate(batches))
-            ends = np.cumsum([len(b) for b in batches]).tolist()
-            loss_sum: Any = 0.0
-            t0 = time.perf_counter()
-            for start, end in zip([0] + ends[:-1], ends):
-                batch = order[start:end]
-                t = time.perf_counter()
-                algo.zero_grad()
-                loss_sum = loss_sum + net.loss_backward(x_train[batch], y_train[batch])
-                if factor > 1:
-                    net.synchronize()
-                    time.sleep((factor - 1) * (time.perf_counter() - t))
-                algo.step()
-                bar.update()
-            net.synchronize()
-            epoch_s = time.perf_counter() - t0
-            time_s += epoch_s
-            records.append(metrics.measure(epoch, algo, net, x_test, y_test, comm, train_loss=float(loss_sum) / steps,
-                                           time_s=time_s, epoch_s=epoch_s))
-            if rank == 0:
-                bar.write(metrics.line(records[-1], config.epochs, meta["model_bytes"]), file=sys.stdout)
-                sys.stdout.flush()
-    finally:
-        bar.close()
-    return records
+class _Run:
+    """The training loop of one worker, and its state (what a checkpoint holds).
+
+    Attributes:
+        step: steps taken (all epochs).
+        time_s: training time of the finished epochs.
+        epoch_s, loss_sum: training time and sum of minibatch losses of the
+            current epoch so far (0 between epochs).
+        records: the finished epochs' metrics.
+    """
+
+    def __init__(self, config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo: algorithms.Algorithm,
+                 steps: int, threads: int) -> None:
+        self.config, self.net, self.algo, self.steps = config, net, algo, steps
+        self.meta = _describe(config, dataset, net, algo, steps, threads)
+        self.indices = data.shard(len(dataset.y_train), algo.rank, algo.size, config.seed)
+        self.x_train, self.y_train = net.array(dataset.x_train), net.array(dataset.y_train)
+        self.x_test, self.y_test = net.array(dataset.x_test), net.array(dataset.y_test)
+        self.step, self.time_s, self.epoch_s, self.loss_sum = 0, 0.0, 0.0, 0.0
+        self.records: list[dict[str, Any]] = []
+
+    def signature(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint's (all but the epochs and the outputs)."""
+        keys = ("algorithm", "options", "workers", "dataset", "layers", "backend", "batch_size", "lr", "momentum",
+                "seed")
+        return {k: self.meta[k] for k in keys}
+
+    def epochs(self) -> None:
+        """Train from the current state to the last epoch; rank 0 prints a line per epoch."""
+        total = self.config.epochs * self.steps
+        bar = _progress(total, self.config.progress and self.algo.rank == 0, f"train {self.config.algorithm}")
+        bar.update(min(self.step, total))
+        try:
+            for epoch in range(self.step // self.steps + 1, self.config.epochs + 1):
+                self._epoch(epoch, bar)
+        finally:
+            bar.close()
+
+    def _epoch(self, epoch: int, bar: Any) -> None:
+        """Finish ``epoch`` (from its first step not yet taken), evaluate, checkpoint when due."""
+        cfg, net, algo, rank = self.config, self.net, self.algo, self.algo.rank
+        factor = cfg.slow.get(rank, 1.0)
+        batches = data.epoch_batches(self.indices, self.steps, cfg.seed, epoch, rank)
+        order = net.array(np.concatenate(batches))
+        ends = np.cumsum([len(b) for b in batches]).tolist()
+        loss_sum: Any = self.loss_sum
+        t0 = time.perf_counter()
+        for k in range(self.step - (epoch - 1) * self.steps, self.steps):
+            batch = order[(ends[k - 1] if k else 0):ends[k]]
+            t = time.perf_counter()
+            algo.zero_grad()
+            loss_sum = loss_sum + net.loss_backward(self.x_train[batch], self.y_train[batch])
+            if factor > 1:
+                net.synchronize()
+                time.sleep((factor - 1) * (time.perf_counter() - t))
+            algo.step()
+            self.step += 1
+            bar.update()
+            if k < self.steps - 1 and self._due():
+                net.synchronize()
+                self.epoch_s += time.perf_counter() - t0
+                self.loss_sum = float(loss_sum)
+                self._save()
+                t0 = time.perf_counter()
+        net.synchronize()
+        epoch_s = self.epoch_s + time.perf_counter() - t0
+        self.time_s += epoch_s
+        self.epoch_s, self.loss_sum = 0.0, 0.0
+        self.records.append(metrics.measure(epoch, algo, net, self.x_test, self.y_test, algo.comm,
+                                            train_loss=float(loss_sum) / self.steps, time_s=self.time_s,
+                                            epoch_s=epoch_s))
+        if rank == 0:
+            bar.write(metrics.line(self.records[-1], cfg.epochs, self.meta["model_bytes"]), file=sys.stdout)
+            sys.stdout.flush()
+        if self._due() or epoch == cfg.epochs:
+            self._save()
+
+    def _due(self) -> bool:
+        every = self.config.checkpoint_every
+        return bool(self.config.checkpoint) and every > 0 and self.step % every == 0
+
+    def _save(self) -> None:
+        """Write the checkpoint after :attr:`step` (collective)."""
+        if not self.config.checkpoint:
+            return
+        info = {"run": self.signature(), "step": self.step, "time_s": self.time_s, "epoch_s": self.epoch_s,
+                "loss_sum": self.loss_sum, "records": self.records,
+                "bytes_sent": self.algo.bytes_sent, "comm_wait_s": self.algo.comm_wait_s}
+        arrays = {"params": self.net.to_numpy(self.algo.params), **self.net.optimizer_state()}
+        checkpoint.save(self.config.checkpoint, self.step, self.algo.comm, arrays, info)
+
+    def restore(self) -> None:
+        """Continue from the newest checkpoint in ``config.checkpoint`` (local; raises on a mismatch)."""
+        arrays, info = checkpoint.load(self.config.checkpoint, self.algo.rank)
+        differ = {k: (v, self.signature()[k]) for k, v in info["run"].items() if self.signature().get(k) != v}
+        if differ:
+            raise UsageError("the checkpoint is of another run: " + "; ".join(
+                f"{k} was {old!r}, now {new!r}" for k, (old, new) in differ.items()))
+        self.net.load(self.algo.params, arrays.pop("params"))
+        self.net.load_optimizer_state(arrays)
+        self.step, self.time_s, self.epoch_s = info["step"], info["time_s"], info["epoch_s"]
+        self.loss_sum, self.records = info["loss_sum"], info["records"]
+        self.algo.iterations, self.algo.bytes_sent, self.algo.comm_wait_s = (
+            info["step"], info["bytes_sent"], info["comm_wait_s"])
 
 
 def _describe(config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo: algorithms.Algorithm,
@@ -365,7 +463,7 @@ def _describe(config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo:
         "test_samples": len(dataset.y_test), "features": dataset.features, "classes": dataset.classes,
         "model": models.describe(net.sizes), "layers": list(net.sizes), "parameters": net.parameters,
         "model_bytes": algo.flat.nbytes, "backend": net.backend,
-        "device": str(getattr(net, "device", "cpu")), "threads": threads,
+        "device": str(net.device), "threads": threads,
         "epochs": config.epochs, "steps_per_epoch": steps, "batch_size": config.batch_size,
         "lr": config.lr, "momentum": config.momentum, "seed": config.seed,
         "slow": {str(r): f for r, f in sorted(config.slow.items())},
@@ -407,9 +505,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         if args.plot:
-            plotting.require()
+            _agreed(comm, plotting.require)
         result = train(config, comm)
-    except (UsageError, data.DatasetError, collectives.ArgumentError, ValueError) as exc:
+    except (UsageError, data.DatasetError, collectives.ArgumentError) as exc:  # raised on every rank alike
         if comm.Get_rank() == 0:
             print(f"mpidl train: error: {exc}", file=sys.stderr)
         return 2

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mpitest import mpiexec, on_rank0_quietly
@@ -28,6 +30,12 @@ def train(n: int, *argv: str) -> tuple[int, str, str]:
 
 def read(path: Path) -> dict:
     return on_rank0_quietly(lambda: json.loads(path.read_text()))
+
+
+def untimed(epochs: list[dict]) -> list[dict]:
+    """Per-epoch records without the times (which differ between runs)."""
+    return [{k: v for k, v in e.items() if not k.endswith("_s") and k != "workers"}
+            | {k: v for k, v in e["workers"].items() if not k.endswith("_s")} for e in epochs]
 
 
 def test_dpsgd_ring_writes_the_documented_json_and_plot(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -66,10 +74,6 @@ def test_same_seed_same_metrics(tmp_path_factory: pytest.TempPathFactory) -> Non
         assert rc == 0, stderr
         runs.append(read(out / f"{name}.json")["epochs"])
 
-    def untimed(epochs: list[dict]) -> list[dict]:
-        return [{k: v for k, v in e.items() if not k.endswith("_s") and k != "workers"}
-                | {k: v for k, v in e["workers"].items() if not k.endswith("_s")} for e in epochs]
-
     assert untimed(runs[0]) == untimed(runs[1])
     assert untimed(runs[0]) != untimed(runs[2])
 
@@ -89,7 +93,40 @@ def test_torch_allreduce_keeps_one_model(tmp_path_factory: pytest.TempPathFactor
     assert last["bytes_per_step_mean"] == run["meta"]["model_bytes"]
 
 
+def test_resume_reproduces_the_uninterrupted_run(tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tmp_path_factory.mktemp("resume")
+    common = ["--algorithm", "dpsgd", "--backend", "numpy", *QUICK, "--checkpoint-every", "5"]
+    whole, halves, late = out / "whole", out / "halves", out / "late"
+    rc, _, stderr = train(2, *common, "--checkpoint", str(whole), "--json", str(out / "whole.json"))
+    assert rc == 0, stderr
+    # Epoch 2 resumed from the checkpoint at the end of epoch 1 (23 steps per epoch on 2 workers).
+    rc, _, stderr = train(2, *common, "--epochs", "1", "--checkpoint", str(halves))
+    assert rc == 0, stderr
+    rc, stdout, stderr = train(2, *common, "--checkpoint", str(halves), "--resume", "--json", str(out / "halves.json"))
+    assert rc == 0, stderr
+    assert [line.split()[1] for line in stdout.splitlines() if line.startswith("epoch")] == ["2/2"]
+    # The last two steps resumed from the mid-epoch checkpoint after step 45 (the previous one is kept).
+    on_rank0_quietly(lambda: (shutil.copytree(whole, late), (late / "latest").write_text("step-000045")))
+    rc, _, stderr = train(2, *common, "--checkpoint", str(late), "--resume", "--json", str(out / "late.json"))
+    assert rc == 0, stderr
+
+    def final(folder: Path) -> list[dict[str, np.ndarray]]:
+        return [dict(np.load(folder / "step-000046" / f"rank-{r}.npz")) for r in range(2)]
+
+    expected = on_rank0_quietly(final, whole)
+    assert expected[0]["params"].shape == (1210,) and "momentum" in expected[0]
+    for folder in (halves, late):
+        for want, got in zip(expected, on_rank0_quietly(final, folder)):
+            for key in ("params", "momentum"):
+                np.testing.assert_array_equal(want[key], got[key])
+        assert untimed(read(out / f"{folder.name}.json")["epochs"]) == untimed(read(out / "whole.json")["epochs"])
+    rc, _, stderr = train(2, *common, "--checkpoint", str(whole), "--resume", "--lr", "0.1")
+    assert rc == 2 and "the checkpoint is of another run: lr was 0.05, now 0.1" in stderr
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--algorithm", "lsgd", "--checkpoint", "/tmp/never"], "lsgd keeps communication in flight"),
+    (["--resume"], "--resume needs --checkpoint DIR"),
     (["--algorithm", "nope"], "invalid choice: 'nope'"),
     (["--slow", "3"], "bad --slow '3': use RANK:FACTOR"),
     (["--slow", "2:3"], "--slow names rank(s) [2], but there are only 2 ranks"),
