@@ -110,6 +110,7 @@ def plot(records: Sequence[dict[str, Any]], path: str, title: str) -> None:
         ax.plot(x, [100 * r["test_acc_worst"] for r in records], marker=".", linestyle="--",
                 label="worst worker")
         ax.set_xlabel(label)
+    axes[1].xaxis.get_major_locator().set_params(integer=True)
     axes[0].set_ylabel("test accuracy (%)")
     fig.suptitle(title)
     plotting.finish(fig, axes, path)
