@@ -278,11 +278,8 @@ def _set_threads(threads: int, backend: str) -> None:
         torch.set_num_threads(threads)
 
 
-def _setup(config: TrainConfig, comm: MPI.Comm, local: MPI.Comm, sizes: tuple[int, ...]) -> tuple[models.MLP, int]:
+def _setup(config: TrainConfig, local: MPI.Comm, sizes: tuple[int, ...]) -> tuple[models.MLP, int]:
     """This worker's model (with its optimizer) and thread count; local checks only."""
-    bad = sorted(r for r in config.slow if r >= comm.Get_size())
-    if bad:
-        raise UsageError(f"--slow names rank(s) {bad}, but there are only {comm.Get_size()} ranks")
     threads = config.threads or max(1, (os.cpu_count() or 1) // local.Get_size())
     device = config.device
     if device == "cuda" and models.torch_available():
@@ -312,6 +309,9 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
             options or set-up, on every rank alike.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
+    bad = sorted(r for r in config.slow if r >= comm.Get_size())
+    if bad:
+        raise UsageError(f"--slow names rank(s) {bad}, but there are only {comm.Get_size()} ranks")
     if config.resume and not config.checkpoint:
         raise UsageError("--resume needs --checkpoint DIR, the folder to resume from")
     if config.checkpoint and config.algorithm not in CHECKPOINTABLE:
@@ -322,7 +322,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
     sizes = (dataset.features, *config.hidden, dataset.classes)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        net, threads = _agreed(comm, lambda: _setup(config, comm, local, sizes))
+        net, threads = _agreed(comm, lambda: _setup(config, local, sizes))
     finally:
         local.Free()
     steps = data.steps_per_epoch(len(dataset.y_train), comm.Get_size(), config.batch_size)
@@ -519,5 +519,5 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ALGORITHM_OPTIONS", "AlgorithmOption", "TrainConfig", "TrainResult", "UsageError", "add_arguments",
-           "algorithm_options", "config_from_args", "main", "parse_slow", "train", "write_json"]
+__all__ = ["ALGORITHM_OPTIONS", "CHECKPOINTABLE", "AlgorithmOption", "TrainConfig", "TrainResult", "UsageError",
+           "add_arguments", "algorithm_options", "config_from_args", "main", "parse_slow", "train", "write_json"]
