@@ -146,9 +146,18 @@ mpidl_require_train() {
         mpidl_die "this mpidl ($(command -v mpidl)) has no 'train' command; install a version that has it"
 }
 
+# The algorithms this mpidl train offers, space-separated (from its --help).
+mpidl_train_algorithms() {
+    local choices
+    choices=$(mpidl train --help | tr -d '\n' | sed -n 's/.*--algorithm {\([^}]*\)}.*/\1/p')
+    [[ -n $choices ]] || mpidl_die "cannot read the algorithms from 'mpidl train --help'; set ALGORITHMS"
+    echo "${choices//,/ }"
+}
+
 # The `mpidl train` options from the training knobs (ALGORITHM, TOPOLOGY, EPOCHS,
 # LR, SEED, DATASET, SLOW, PLOT) into the array TRAIN_ARGS; empty knobs are
-# left to mpidl's defaults. Results: $OUTDIR/train-<algorithm>.json (and .png).
+# left to mpidl's defaults; --no-progress unless stderr is a terminal.
+# Results: $OUTDIR/train-<algorithm>.json (and .png).
 mpidl_train_args() {
     local algorithm=$1
     TRAIN_ARGS=(--algorithm "$algorithm" --dataset "$DATASET" --json "$OUTDIR/train-$algorithm.json")
@@ -158,4 +167,5 @@ mpidl_train_args() {
     if [[ -n $SEED ]]; then TRAIN_ARGS+=(--seed "$SEED"); fi
     if [[ -n $SLOW ]]; then TRAIN_ARGS+=(--slow "$SLOW"); fi
     if [[ $PLOT == 1 ]]; then TRAIN_ARGS+=(--plot "$OUTDIR/train-$algorithm.png"); fi
+    if [[ ! -t 2 ]]; then TRAIN_ARGS+=(--no-progress); fi   # no progress bar in an output file
 }

@@ -25,7 +25,7 @@ DTYPE=${DTYPE:-float32}
 REPEAT=${REPEAT:-11}
 # train
 ALGORITHM=${ALGORITHM:-dpsgd}   # allreduce dpsgd lsgd adpsgd grsgd prague
-TOPOLOGY=${TOPOLOGY:-ring}
+TOPOLOGY=${TOPOLOGY:-}          # only for algorithms with a graph (dpsgd)
 EPOCHS=${EPOCHS:-10}
 LR=${LR:-}
 SEED=${SEED:-0}
