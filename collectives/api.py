@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import (butterfly, costmodel, gpu, halving_doubling, hierarchical_ring, hierarchy, reduce_broadcast,
-               ring, torus2d, validation)
+               p2p, ring, torus2d, validation)
 from .buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code
 from .context import Context, context
 from .errors import ArgumentError
@@ -101,6 +101,7 @@ ALGORITHMS: dict[str, Planner] = {
 }
 
 DEFAULT_ALGORITHM = "auto"
+_OPERATION = {name: f"allreduce(algorithm={name!r})" for name in ALGORITHMS}
 
 
 def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
@@ -134,6 +135,7 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
     """
     user = MPI.COMM_WORLD if comm is None else comm
     ctx = context(user)
+    p2p.operation(_OPERATION.get(algorithm) or f"allreduce({algorithm!r})")
     flat, red, problem = _prepare(buf, op, algorithm, user, layout, grid)
     reduced = False
     if validation.enabled(validate):
@@ -166,6 +168,7 @@ def broadcast(buf: Any, comm: Optional[MPI.Comm] = None, *, validate: Optional[b
     :func:`allreduce` (same length and dtype on every rank).
     """
     ctx = context(MPI.COMM_WORLD if comm is None else comm)
+    p2p.operation("broadcast")
     try:
         flat, problem = as_flat(buf), None
     except ArgumentError as exc:

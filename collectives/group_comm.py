@@ -2,7 +2,7 @@
 
 The all-reduce kernels use only ``Get_rank``, ``Get_size`` and the blocking
 point-to-point calls ``Sendrecv``/``Send``/``Recv`` (through
-:mod:`collectives.p2p`). :class:`GroupComm` offers exactly those on a subset
+:mod:`collectives.p2p`; the stall inspector also asks for ``Get_group``). :class:`GroupComm` offers exactly those on a subset
 of a parent communicator, translating group ranks to parent ranks, so every
 kernel runs unchanged among the members of a P-Reduce group. Creating one is
 a few Python attribute stores: no ``MPI_Comm_create``/``Split`` (which are
@@ -56,6 +56,9 @@ class GroupComm:
     def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,  # noqa: N802
              status: Any = None) -> None:
         self.comm.Recv(buf, self._parent(source), tag, status)
+
+    def Get_group(self) -> MPI.Group:  # noqa: N802 (for translating ranks in reports)
+        return self.comm.Get_group().Incl(list(self.members))
 
     def _parent(self, rank: int) -> int:
         if not 0 <= rank < len(self.members):

@@ -235,6 +235,30 @@ class GroupGenerator:
         self._log(f"close w{worker} ({len(self._closed)}/{self.n} closed)")
         return self._schedule()
 
+    def stalled(self) -> list[tuple[tuple[str, int], float, str]]:
+        """Every outstanding request as (key, seconds waited, description naming
+        the lock vector and the active groups holding the workers it waits for).
+
+        Read by the stall inspector from another thread: it only reads, and
+        copies the containers first.
+        """
+        now = self._clock()
+        out = []
+        for worker, since in list(self._waiting.items()):
+            group = next((g for g in list(self._queue) if worker in g.members), None)
+            if group is None:  # smart: waits for enough idle workers
+                what = f"waits for {self.group_size} idle workers"
+                holders = [m for m in range(self.n) if self._lock[m] is not None]
+            else:
+                what = f"is queued as g{group.gid} {workers(group.members)}"
+                holders = [m for m in group.members if self._lock[m] is not None]
+            held = "; ".join(f"w{m} held by g{gid} {workers(a.members)} (running: {workers(sorted(a.running))})"
+                             for m in holders for gid in [self._lock[m]] for a in [self._active.get(gid)] if a)
+            out.append((("gg-request", worker), now - since,
+                        f"mpidl: group generator: the request of worker {worker} {what} for {now - since:.0f} s; "
+                        f"locks {self._vector()}" + (f"; {held}" if held else "")))
+        return out
+
     # -- internals ---------------------------------------------------------
 
     def _schedule(self) -> list[Group]:

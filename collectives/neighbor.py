@@ -53,7 +53,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import gpu, validation
+from . import gpu, p2p, validation
 from .buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code
 from .context import Context, context
 from .errors import ArgumentError
@@ -132,6 +132,7 @@ def neighbor_allreduce(buf: Any, weights: NeighborWeights, comm: Optional[MPI.Co
             raised on every rank before any data moved (``buf`` untouched).
     """
     ctx = context(MPI.COMM_WORLD if comm is None else comm)
+    p2p.operation("neighbor_allreduce")
     flat, problem = _prepare(buf, weights, ctx.size, ctx.rank)
     if validation.enabled(validate):
         _check(ctx, weights, flat, problem)
@@ -200,7 +201,7 @@ def _mix(flat: FlatBuffer, weights: NeighborWeights, comm: MPI.Comm) -> None:
     received = [scratch(x, n, slot=_RECV + k) for k in range(len(weights.sources))]
     pending = [irecv(comm, r, j) for r, (j, _) in zip(received, weights.sources)]
     pending += [isend(comm, x, j) for j in weights.destinations]
-    waitall(pending)
+    waitall(pending, comm, tuple(sorted({j for j, _ in weights.sources} | set(weights.destinations))))
     xp = array_module(x)
     half = dtype in _HALF
     cast = int if dtype in _INTEGER else float

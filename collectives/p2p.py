@@ -13,7 +13,9 @@ nonblocking call returns a handle whose ``Wait()`` completes it (an
 one that copies a staged receive to the device when waited on). The buffer of
 a pending transfer must not be touched until it is waited on.
 
-Every payload byte sent through this module is counted per thread
+Every blocking call marks the thread as waiting on its peers for the stall
+inspector (:mod:`collectives.watchdog`). Every payload byte sent through this
+module is counted per thread
 (:func:`bytes_sent`), so training algorithms can report their traffic exactly.
 The argument check's messages (:mod:`collectives.validation`), and the small
 butterfly all-reduces that ride in them, bypass this module and are not
@@ -24,10 +26,13 @@ are exact.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Protocol
+import time
+from typing import Any, Iterable, Optional, Protocol
 
 import numpy as np
 from mpi4py import MPI
+
+from . import watchdog
 
 #: Tag of every message the algorithms send on their private communicators.
 TAG = 0x6D70  # "mp"
@@ -57,9 +62,29 @@ DEVICE_TRANSPORTS: dict[type, Transport] = {}
 
 class _Sent(threading.local):
     total = 0
+    slot: Optional[watchdog.Slot] = None
 
 
 _sent = _Sent()
+_clock = time.perf_counter
+
+
+def operation(name: str) -> None:
+    """Name the operation this thread's next transfers belong to (for the stall inspector)."""
+    s = _sent.slot
+    if s is None:
+        s = _sent.slot = watchdog.slot()
+    s.operation = name
+
+
+def watch(comm: MPI.Comm, peers: tuple[int, ...]) -> watchdog.Slot:
+    """Mark this thread blocked on ``peers`` of ``comm`` for the stall inspector;
+    the caller sets ``since = 0.0`` on the returned slot when done."""
+    s = _sent.slot
+    if s is None:
+        s = _sent.slot = watchdog.slot()
+    s.comm, s.peers, s.since = comm, peers, _clock()
+    return s
 
 
 def bytes_sent() -> int:
@@ -70,27 +95,39 @@ def bytes_sent() -> int:
 def sendrecv(comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None:
     """Send ``send`` to ``dest`` while receiving exactly ``recv``'s size into it from ``source``."""
     _sent.total += send.nbytes
-    if type(send) is np.ndarray:
-        comm.Sendrecv([send, _BYTE], dest, TAG, [recv, _BYTE], source, TAG)
-    else:
-        DEVICE_TRANSPORTS[type(send)].sendrecv(comm, send, dest, recv, source)
+    s = watch(comm, (dest, source))
+    try:
+        if type(send) is np.ndarray:
+            comm.Sendrecv([send, _BYTE], dest, TAG, [recv, _BYTE], source, TAG)
+        else:
+            DEVICE_TRANSPORTS[type(send)].sendrecv(comm, send, dest, recv, source)
+    finally:
+        s.since = 0.0
 
 
 def send(comm: MPI.Comm, buf: Any, dest: int) -> None:
     """Send ``buf`` to ``dest`` (blocking)."""
     _sent.total += buf.nbytes
-    if type(buf) is np.ndarray:
-        comm.Send([buf, _BYTE], dest, TAG)
-    else:
-        DEVICE_TRANSPORTS[type(buf)].send(comm, buf, dest)
+    s = watch(comm, (dest,))
+    try:
+        if type(buf) is np.ndarray:
+            comm.Send([buf, _BYTE], dest, TAG)
+        else:
+            DEVICE_TRANSPORTS[type(buf)].send(comm, buf, dest)
+    finally:
+        s.since = 0.0
 
 
 def recv(comm: MPI.Comm, buf: Any, source: int) -> None:
     """Receive into ``buf`` from ``source`` (blocking)."""
-    if type(buf) is np.ndarray:
-        comm.Recv([buf, _BYTE], source, TAG)
-    else:
-        DEVICE_TRANSPORTS[type(buf)].recv(comm, buf, source)
+    s = watch(comm, (source,))
+    try:
+        if type(buf) is np.ndarray:
+            comm.Recv([buf, _BYTE], source, TAG)
+        else:
+            DEVICE_TRANSPORTS[type(buf)].recv(comm, buf, source)
+    finally:
+        s.since = 0.0
 
 
 def isend(comm: MPI.Comm, buf: Any, dest: int) -> Pending:
@@ -108,7 +145,12 @@ def irecv(comm: MPI.Comm, buf: Any, source: int) -> Pending:
     return DEVICE_TRANSPORTS[type(buf)].irecv(comm, buf, source)
 
 
-def waitall(pending: Iterable[Pending]) -> None:
-    """Complete every transfer in ``pending`` (all must have been started)."""
-    for p in pending:
-        p.Wait()
+def waitall(pending: Iterable[Pending], comm: Optional[MPI.Comm] = None, peers: tuple[int, ...] = ()) -> None:
+    """Complete every transfer in ``pending`` (all must have been started); ``comm``
+    and ``peers`` name them for the stall inspector."""
+    s = watch(comm, peers)
+    try:
+        for p in pending:
+            p.Wait()
+    finally:
+        s.since = 0.0

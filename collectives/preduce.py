@@ -74,7 +74,7 @@ from typing import Any, Optional, TextIO, Union
 import numpy as np
 from mpi4py import MPI
 
-from . import butterfly, gpu, halving_doubling, reduce_broadcast, ring, validation
+from . import butterfly, gpu, halving_doubling, p2p, reduce_broadcast, ring, validation, watchdog
 from .api import Kernel
 from .buffers import array_module, as_flat
 from .context import context
@@ -198,6 +198,7 @@ class PReduce:
         self._data = ctx.comm.Dup()
         self._trace: Optional[_Trace] = _Trace.open(trace) if self.rank == service_rank else None
         self._thread: Optional[threading.Thread] = None
+        self._stalled: Optional[watchdog.Reporter] = None
         if policy != "static":
             self._ctl = ctx.comm.Dup()
             self._inbox = np.zeros(4 + self.group_size, np.int64)
@@ -209,6 +210,8 @@ class PReduce:
                 self._trace = None  # the service owns it now
                 self._thread = threading.Thread(target=service.run, name="mpidl-group-generator", daemon=True)
                 self._thread.start()
+                self._stalled = gg.stalled
+                watchdog.add_reporter(self._stalled)
 
     def average(self) -> Any:
         """Average the bound buffer with a group from the GG, in place, and return it.
@@ -252,8 +255,10 @@ class PReduce:
             return
         self._closed = True
         if self.policy != "static":
+            if self._stalled is not None:
+                watchdog.remove_reporter(self._stalled)
             self._tell(CLOSE)
-            while self._serve() is not None:
+            while self._serve(watched=False) is not None:  # others may train on for long: not a stall
                 pass
             if self._thread is not None:
                 self._thread.join()
@@ -268,15 +273,24 @@ class PReduce:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _serve(self) -> Optional[bool]:
-        """Run the next group GG notified: True if it served this rank's request, None on SHUTDOWN."""
+    def _serve(self, watched: bool = True) -> Optional[bool]:
+        """Run the next group GG notified: True if it served this rank's request, None on SHUTDOWN.
+
+        ``watched``: the wait is a stall if it lasts (not while closing).
+        """
         t = time.perf_counter()
-        self._ctl.Recv([self._inbox, MPI.INT64_T], self._service_rank, TO_WORKER)
+        p2p.operation(f"P-Reduce (waiting for a group from the group generator on rank {self._service_rank})")
+        blocked = p2p.watch(self._ctl, (self._service_rank,)) if watched else _UNWATCHED
+        try:
+            self._ctl.Recv([self._inbox, MPI.INT64_T], self._service_rank, TO_WORKER)
+        finally:
+            blocked.since = 0.0
         self.stats.wait_s += time.perf_counter() - t
         kind, gid, serves, size = (int(v) for v in self._inbox[:4])
         if kind == SHUTDOWN:
             return None
         members = tuple(int(m) for m in self._inbox[4:4 + size])
+        p2p.operation(f"P-Reduce (group {gid} of ranks {list(members)})")
         self._run(members)
         self._tell(DONE, gid)
         self.stats.groups += 1
@@ -321,6 +335,9 @@ def _check_options(size: int, algorithm: str, policy: str, group_size: int, peri
     if isinstance(service_rank, bool) or not isinstance(service_rank, int) or not 0 <= service_rank < size:
         raise ArgumentError(f"service_rank must be a rank in 0..{size - 1}, got {service_rank!r}")
     return kernel
+
+
+_UNWATCHED = watchdog.Slot()
 
 
 class _Service:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from . import p2p
 from .context import Context
 from .errors import ArgumentError
 from .fold import fold_of
@@ -127,22 +128,26 @@ def check(ctx: Context, what: str, problem: Optional[ArgumentError], signature: 
             red.combine(mine, theirs, src_first=peer < ctx.rank)
 
     _HEADER.pack_into(out, 0, flag, *ref)
-    if f.partner is not None and f.newrank is None:  # folded out: hand over, wait for the result
-        comm.Send([out[:size], _BYTE], f.partner, _TAG)
-        comm.Recv([out, _BYTE], f.partner, _TAG, status)
-        flag, *ref = _HEADER.unpack_from(out)
-        flag |= status.Get_count(_BYTE) != size
-    else:
-        if f.partner is not None:
-            comm.Recv([got, _BYTE], f.partner, _TAG, status)
-            merge(f.partner)
-            _HEADER.pack_into(out, 0, flag, *ref)
-        for peer in f.peers:
-            comm.Sendrecv([out[:size], _BYTE], peer, _TAG, [got, _BYTE], peer, _TAG, status)
-            merge(peer)
-            _HEADER.pack_into(out, 0, flag, *ref)
-        if f.partner is not None:
+    blocked = p2p.watch(comm, f.peers + ((f.partner,) if f.partner is not None else ()))
+    try:
+        if f.partner is not None and f.newrank is None:  # folded out: hand over, wait for the result
             comm.Send([out[:size], _BYTE], f.partner, _TAG)
+            comm.Recv([out, _BYTE], f.partner, _TAG, status)
+            flag, *ref = _HEADER.unpack_from(out)
+            flag |= status.Get_count(_BYTE) != size
+        else:
+            if f.partner is not None:
+                comm.Recv([got, _BYTE], f.partner, _TAG, status)
+                merge(f.partner)
+                _HEADER.pack_into(out, 0, flag, *ref)
+            for peer in f.peers:
+                comm.Sendrecv([out[:size], _BYTE], peer, _TAG, [got, _BYTE], peer, _TAG, status)
+                merge(peer)
+                _HEADER.pack_into(out, 0, flag, *ref)
+            if f.partner is not None:
+                comm.Send([out[:size], _BYTE], f.partner, _TAG)
+    finally:
+        blocked.since = 0.0
     if flag:
         _raise(ctx, what, problem, signature, names())
     if nbytes:

@@ -8,6 +8,8 @@ second (or more often for short limits):
 * a transfer blocked for longer than ``warn`` seconds is logged once, as a
   warning on the ``collectives.watchdog`` logger and on stderr, naming the
   operation, this rank and the peers (as ranks of ``MPI.COMM_WORLD``);
+  reporters add stalls they see themselves (the P-Reduce group generator:
+  queued groups, with the lock vector and the groups holding the locks);
 * one blocked for longer than ``abort`` seconds ends the whole job:
   the message goes to stderr and ``MPI_Abort`` is called on
   ``MPI.COMM_WORLD`` with exit code 3, so the launcher (mpiexec, srun) stops
@@ -16,7 +18,8 @@ second (or more often for short limits):
 Limits come from ``MPIDL_STALL_WARN`` (default 60 s) and
 ``MPIDL_STALL_ABORT`` (default 0, off, for library use; the ``mpidl``
 commands default to 600 s) or :func:`configure`; 0 switches either off.
-The bookkeeping costs two attribute writes per message.
+The bookkeeping costs a few attribute writes per message
+(:func:`collectives.p2p.watch`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import os
 import sys
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 from mpi4py import MPI
 
@@ -38,14 +41,13 @@ ABORT_EXIT_CODE = 3
 class Slot:
     """What one thread is blocked on (``since`` is 0.0 when it is not)."""
 
-    __slots__ = ("operation", "comm", "peers", "since", "reported", "thread")
+    __slots__ = ("operation", "comm", "peers", "since", "thread")
 
     def __init__(self) -> None:
         self.operation = "a collective operation"
         self.comm: Optional[MPI.Comm] = None
         self.peers: Sequence[int] = ()
         self.since = 0.0
-        self.reported = 0.0
         self.thread = threading.current_thread().name
 
 
@@ -59,6 +61,11 @@ def _limit(name: str, default: float) -> float:
 _warn = _limit("MPIDL_STALL_WARN", 60.0)
 _abort = _limit("MPIDL_STALL_ABORT", 0.0)
 _slots: list[Slot] = []
+#: Callables returning (key, age in seconds, message) for stalls they see
+#: themselves (e.g. the P-Reduce group generator's queued requests).
+Reporter = Callable[[], Sequence[tuple[Hashable, float, str]]]
+_reporters: list[Reporter] = []
+_reported: set = set()
 _local = threading.local()
 _lock = threading.Lock()
 _thread: Optional[threading.Thread] = None
@@ -91,22 +98,18 @@ def slot() -> Slot:
     return s
 
 
-class operation:
-    """Context manager naming the operation this thread's transfers belong to."""
+def add_reporter(fn: Reporter) -> None:
+    """Also watch the stalls ``fn`` reports (called from the watchdog thread)."""
+    with _lock:
+        _reporters.append(fn)
+    _ensure_thread()
 
-    __slots__ = ("name", "slot", "previous")
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __enter__(self) -> "operation":
-        self.slot = slot()
-        self.previous = self.slot.operation
-        self.slot.operation = self.name
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.slot.operation = self.previous
+def remove_reporter(fn: Reporter) -> None:
+    """Stop calling ``fn``."""
+    with _lock:
+        if fn in _reporters:
+            _reporters.remove(fn)
 
 
 def _ensure_thread() -> None:
@@ -122,7 +125,7 @@ def _world_ranks(comm: Optional[MPI.Comm], peers: Sequence[int]) -> list[int]:
         return list(peers)
     try:
         return list(MPI.Group.Translate_ranks(comm.Get_group(), list(peers), MPI.COMM_WORLD.Get_group()))
-    except MPI.Exception:
+    except Exception:  # a report must not fail: fall back to the communicator's own ranks
         return list(peers)
 
 
@@ -133,24 +136,42 @@ def describe(s: Slot, age: float) -> str:
             f"for rank(s) {peers} of MPI_COMM_WORLD")
 
 
+def _stalls() -> list[tuple[Hashable, float, str]]:
+    """Every stall now visible: blocked slots and what the reporters see."""
+    now = time.perf_counter()
+    with _lock:
+        slots, reporters = list(_slots), list(_reporters)
+    found = [((id(s), s.since), now - s.since, s) for s in slots if s.since]
+    out: list[tuple[Hashable, float, str]] = [(key, age, describe(s, age)) for key, age, s in found]
+    for fn in reporters:
+        try:
+            out.extend(fn())
+        except Exception as exc:  # a diagnostic must never take the job down by itself
+            log.debug("stall reporter %r failed: %s", fn, exc)
+    return out
+
+
 def _watch() -> None:
     while True:
         warn, abort = _warn, _abort
-        time.sleep(max(0.05, min(1.0, (min(x for x in (warn, abort) if x) if warn or abort else 1.0) / 4)))
-        now = time.perf_counter()
-        with _lock:
-            slots = list(_slots)
-        for s in slots:
-            since = s.since
-            if not since:
-                continue
-            age = now - since
-            if abort and age > abort:
-                print(f"{describe(s, age)}; aborting the job (stall limit MPIDL_STALL_ABORT={abort:g} s)",
-                      file=sys.stderr, flush=True)
-                MPI.COMM_WORLD.Abort(ABORT_EXIT_CODE)
-            if warn and age > warn and s.reported != since:
-                s.reported = since
-                message = describe(s, age) + (f"; the job aborts after {abort:g} s" if abort else "")
+        shortest = min((x for x in (warn, abort) if x), default=4.0)
+        time.sleep(max(0.05, min(1.0, shortest / 4)))
+        try:
+            _check(warn, abort)
+        except Exception as exc:  # the watchdog must outlive any bug in a report
+            log.debug("stall check failed: %s", exc)
+
+
+def _check(warn: float, abort: float) -> None:
+    for key, age, message in _stalls():
+        if abort and age > abort:
+            print(f"{message}; aborting the job (stall limit MPIDL_STALL_ABORT={abort:g} s)",
+                  file=sys.stderr, flush=True)
+            MPI.COMM_WORLD.Abort(ABORT_EXIT_CODE)
+        if warn and age > warn and key not in _reported:
+            _reported.add(key)
+            message += f"; the job aborts after {abort:g} s" if abort else ""
+            if log.hasHandlers():
                 log.warning("%s", message)
+            else:  # no logging configured: straight to stderr, once
                 print(message, file=sys.stderr, flush=True)

@@ -1,7 +1,9 @@
 """The ``mpidl`` command: ``mpidl info | bench | train``.
 
 Run it under the MPI launcher, e.g. ``mpiexec -n 2 mpidl info``; rank 0
-prints, every rank takes part.
+prints, every rank takes part. An uncaught exception on any rank aborts the
+whole job (exit code 2), and a transfer blocked for 10 minutes aborts it too
+(exit code 3; see :mod:`collectives.watchdog`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from typing import IO, NoReturn, Optional, Sequence
 from mpi4py import MPI
 
 from . import bench, info, train
+from .runtime import init
+
+#: Stall limits of the commands, in seconds (MPIDL_STALL_WARN / MPIDL_STALL_ABORT override).
+STALL_WARN, STALL_ABORT = 60.0, 600.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``mpidl`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    init(stall_warn=STALL_WARN, stall_abort=STALL_ABORT)
     return int(args.run(args) or 0)
 
 

@@ -12,11 +12,7 @@ from collectives import gpu
 from collectives.layout import layout
 
 from . import __version__
-from .runtime import init
-
-THREAD_LEVELS = {"single": "THREAD_SINGLE", "funneled": "THREAD_FUNNELED",
-                 "serialized": "THREAD_SERIALIZED", "multiple": "THREAD_MULTIPLE"}
-
+from .runtime import init, thread_level
 
 def report() -> list[tuple[str, str]]:
     """Collect the report (collective over COMM_WORLD); every rank gets it."""
@@ -25,7 +21,6 @@ def report() -> list[tuple[str, str]]:
     comm = init()
     hosts = comm.allgather(MPI.Get_processor_name())
     lay = layout(comm)
-    level = {getattr(MPI, v): k for k, v in THREAD_LEVELS.items()}[MPI.Query_thread()]
     major, minor = MPI.Get_version()
     return [
         ("mpidl", __version__),
@@ -34,7 +29,7 @@ def report() -> list[tuple[str, str]]:
         ("mpi4py", mpi4py.__version__),
         ("MPI library", " ".join(MPI.Get_library_version().splitlines()[0].split())),
         ("MPI standard", f"{major}.{minor}"),
-        ("thread level", level),
+        ("thread level", thread_level()),
         ("ranks", str(comm.Get_size())),
         ("nodes", str(lay.nodes)),
         ("ranks per node", " ".join(map(str, lay.ranks_per_node))),

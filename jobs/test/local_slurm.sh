@@ -1,0 +1,532 @@
+#!/usr/bin/env bash
+# Prove the scripts in jobs/ under a real, throwaway Slurm on this machine.
+#
+#   sudo jobs/test/local_slurm.sh [--venv DIR] [--quick] [--require-train] [--keep] [--only REGEX]
+#
+# What it does, as root on a Debian/Ubuntu machine:
+#  1. installs the Debian packages slurmctld slurmd slurm-client munge if they
+#     are missing (without letting apt start their system services);
+#  2. uses the virtualenv given with --venv, or makes one from this repository
+#     the way a new user would (pip install ".[mpich,plot,train]");
+#  3. in a fresh temporary directory: a munge key and a munged of its own (own
+#     socket), then a Slurm configuration with free ports, its slurmctld and
+#     slurmd(s); first a single node (NodeName=localhost), then two emulated
+#     nodes (node1, node2: two slurmd on this host);
+#  4. submits every job script with small settings (tiny sizes, 1 epoch, 4
+#     tasks), one at a time, each with both launchers (srun --mpi=pmi2 and
+#     mpiexec in the allocation; --quick: each script once, each launcher and
+#     each training algorithm at least once), waits (with a timeout) and checks the job
+#     state, its exit code, its output (`mpidl info` saw all ranks and nodes,
+#     the bench table, the result files) and, on two nodes, that node2's slurmd
+#     ran a step of the job; then runs jobs/mpirun.sh without Slurm, with a
+#     hostfile of two "hosts" (localhost and 127.0.0.1);
+#  5. prints a summary and stops the daemons it started (and only those),
+#     on success, failure or interrupt.
+# The training jobs need `mpidl train`; while the installed mpidl has none they
+# are reported SKIP (--require-train makes that a failure). train_all trains
+# every algorithm that `mpidl train --help` offers; those of the six (allreduce
+# dpsgd lsgd adpsgd grsgd prague) that it does not offer yet are listed as SKIP.
+#
+# Options (and their environment variables):
+#   --venv DIR          use this virtualenv (with mpidl installed)  [MPIDL_PROOF_VENV]
+#   --pip "SPECS"       what a new virtualenv gets, pip arguments run in the
+#                       repository  [MPIDL_PROOF_PIP, default ".[mpich,plot,train]"]
+#   --quick             the shorter matrix, for CI  [MPIDL_PROOF_QUICK=1]
+#   --require-train     fail, instead of skip, when mpidl has no train command  [MPIDL_PROOF_REQUIRE_TRAIN=1]
+#   --job-timeout S     give up on (and cancel) a job after S seconds  [MPIDL_PROOF_JOB_TIMEOUT, 600]
+#   --only REGEX        run only the jobs whose name matches  [MPIDL_PROOF_ONLY]
+#   --keep              keep the temporary directory (logs, outputs) even on success
+# Exit status: 0 when every job that ran passed (and none was skipped under
+# --require-train), 1 otherwise. Safe to run twice: a lock stops concurrent
+# runs, and the processes left by a run that was killed outright (SIGKILL, so no
+# cleanup) are recognised by its temporary directory and stopped by the next run.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+VENV=${MPIDL_PROOF_VENV:-}
+PIP_SPECS=${MPIDL_PROOF_PIP:-".[mpich,plot,train]"}
+REQUIRE_TRAIN=${MPIDL_PROOF_REQUIRE_TRAIN:-0}
+JOB_TIMEOUT=${MPIDL_PROOF_JOB_TIMEOUT:-600}
+QUICK=${MPIDL_PROOF_QUICK:-0}
+ONLY=${MPIDL_PROOF_ONLY:-}
+KEEP=0
+PYTHON=${PYTHON:-python3}
+STATE_DIR=/tmp/mpidl-local-slurm.state   # lock file and the PIDs of running daemons
+export PATH=$PATH:/usr/sbin:/sbin
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+while (($#)); do
+    case $1 in
+        --venv) VENV=$2; shift ;;
+        --pip) PIP_SPECS=$2; shift ;;
+        --quick) QUICK=1 ;;
+        --require-train) REQUIRE_TRAIN=1 ;;
+        --job-timeout) JOB_TIMEOUT=$2; shift ;;
+        --only) ONLY=$2; shift ;;
+        --keep) KEEP=1 ;;
+        -h | --help) usage; exit 0 ;;
+        *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+T0=$SECONDS
+log() { printf '[%4ds] %s\n' "$((SECONDS - T0))" "$*"; }
+die() { log "ERROR: $*" >&2; exit 1; }
+
+[[ $(id -u) == 0 ]] || die "run as root (it installs packages and starts munged and slurmd)"
+mkdir -p "$STATE_DIR"
+exec 9>"$STATE_DIR/lock"
+flock -n 9 || die "another run holds $STATE_DIR/lock"
+
+WORK=""
+POLICY_CREATED=0
+DAEMONS=()        # "pid name" of every daemon this run started and has not stopped
+SUBMITTED=()      # job ids of the current Slurm phase
+RESULTS=()        # summary rows
+FAILED=0
+SKIPPED=0
+
+# ---------------------------------------------------------------- daemons
+
+alive() {  # a process that exists and is not a zombie
+    local stat
+    stat=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
+    [[ $stat != Z* ]]
+}
+
+stop_pid() {  # stop_pid PID NAME: TERM, up to 15 s, then KILL
+    local pid=$1 name=$2 i
+    alive "$pid" || { wait "$pid" 2>/dev/null || true; return 0; }
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < 150; i++)); do
+        alive "$pid" || break
+        sleep 0.1
+    done
+    if alive "$pid"; then
+        log "$name ($pid) ignored SIGTERM; SIGKILL"
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    wait "$pid" 2>/dev/null || true
+}
+
+start_daemon() {  # start_daemon NAME LOGFILE CMD...: in the foreground mode of the daemon, in the background here
+    local name=$1 logfile=$2
+    shift 2
+    "$@" >>"$logfile" 2>&1 9>&- &   # 9: the lock, which must die with this script
+    DAEMONS+=("$! $name")
+    log "started $name (pid $!)"
+}
+
+stop_daemons() {  # stop_daemons PATTERN: stop the recorded daemons whose name matches, newest first
+    local i keep=() d
+    for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do
+        d=${DAEMONS[i]}
+        if [[ ${d#* } =~ $1 ]]; then
+            stop_pid "${d%% *}" "${d#* }"
+            log "stopped ${d#* } (pid ${d%% *})"
+        else
+            keep=("$d" "${keep[@]}")
+        fi
+    done
+    DAEMONS=("${keep[@]}")
+}
+
+# sweep DIR: stop every process that belongs to the run in DIR. They are ours:
+# the daemons name DIR on their command line, and everything under them (slurmstepd,
+# job scripts, srun, the ranks) has SLURM_CONF=DIR/... in its environment.
+sweep() {
+    local dir=$1 p pid pids=() left i
+    for p in /proc/[0-9]*; do  # a snapshot: processes started below (tr, grep) are not in it
+        pid=${p#/proc/}
+        [[ $pid == "$$" ]] && continue
+        if { tr '\0' '\n' <"$p/cmdline"; tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -F -- "$dir/" >/dev/null; then  # not -q: pipefail
+            pids+=("$pid")
+        fi
+    done
+    ((${#pids[@]})) || return 0
+    log "stopping ${#pids[@]} leftover process(es) of the run in $dir: ${pids[*]}"
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for ((i = 0; i < 50; i++)); do
+        left=()
+        for pid in "${pids[@]}"; do if alive "$pid"; then left+=("$pid"); fi; done
+        ((${#left[@]})) || return 0
+        sleep 0.1
+    done
+    log "SIGKILL to ${left[*]}"
+    kill -KILL "${left[@]}" 2>/dev/null || true
+}
+
+stop_stale() {  # a run killed before its cleanup (SIGKILL) leaves its directory's name here
+    local dir
+    [[ -f $STATE_DIR/workdir ]] || return 0
+    dir=$(<"$STATE_DIR/workdir")
+    if [[ $dir == /tmp/mpidl-slurm.* ]]; then sweep "$dir"; fi
+    rm -f "$STATE_DIR/workdir"
+}
+
+cancel_jobs() {  # cancel this phase's unfinished jobs and wait (bounded) until they are gone
+    local id i left
+    ((${#SUBMITTED[@]})) || return 0
+    for id in "${SUBMITTED[@]}"; do timeout 30 scancel "$id" 2>/dev/null || true; done
+    for ((i = 0; i < 30; i++)); do
+        left=$(timeout 30 squeue -h -j "$(IFS=,; echo "${SUBMITTED[*]}")" 2>/dev/null | wc -l) || left=0
+        ((left == 0)) && break
+        sleep 1
+    done
+    SUBMITTED=()
+}
+
+cleanup() {
+    local rc=$?
+    set +e
+    trap - EXIT INT TERM
+    trap '' PIPE   # a closed stdout must not stop the cleanup
+    cancel_jobs
+    stop_daemons .
+    if [[ -n $WORK ]]; then sweep "$WORK"; fi   # anything of ours still running (a job that ignored scancel)
+    rm -f "$STATE_DIR/workdir"
+    if ((POLICY_CREATED)); then rm -f /usr/sbin/policy-rc.d; fi
+    if [[ -n $WORK ]]; then
+        if ((rc == 0 && KEEP == 0)); then
+            rm -rf "$WORK"
+        else
+            log "logs and outputs kept in $WORK"
+        fi
+    fi
+    log "finished, exit $rc"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'log "interrupted"; exit 130' INT TERM
+trap 'exit 141' PIPE   # stdout closed (e.g. `| head`): clean up all the same
+
+# ---------------------------------------------------------------- setup
+
+install_packages() {
+    local missing=0 c
+    for c in slurmctld slurmd sbatch scontrol munged; do
+        command -v "$c" >/dev/null || missing=1
+    done
+    ((missing)) || { log "Slurm and munge already installed: $(slurmctld -V)"; return 0; }
+    command -v apt-get >/dev/null || die "Slurm is not installed and there is no apt-get"
+    log "installing slurmctld slurmd slurm-client munge"
+    if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+        # Keep apt from starting the system's munge/slurm services: only our own daemons run.
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+        chmod 755 /usr/sbin/policy-rc.d
+        POLICY_CREATED=1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    timeout 600 apt-get update -q >/dev/null
+    timeout 900 apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+    if ((POLICY_CREATED)); then rm -f /usr/sbin/policy-rc.d; POLICY_CREATED=0; fi
+    log "installed $(slurmctld -V)"
+}
+
+make_venv() {
+    if [[ -n $VENV ]]; then
+        VENV=$(cd "$VENV" && pwd)
+        log "using the virtualenv $VENV"
+    else
+        VENV=$WORK/venv
+        log "making a virtualenv: pip install $PIP_SPECS (in $REPO)"
+        "$PYTHON" -m venv "$VENV"
+        # shellcheck disable=SC2086  # pip arguments
+        (cd "$REPO" && timeout 1200 "$VENV/bin/python" -m pip install -q --disable-pip-version-check $PIP_SPECS)
+        log "virtualenv ready"
+    fi
+    [[ -x $VENV/bin/mpidl ]] || die "$VENV has no mpidl (pip install \".[mpich]\" from the repository)"
+    local help
+    if help=$(timeout 60 "$VENV/bin/mpidl" train --help 2>/dev/null); then
+        HAVE_TRAIN=1
+        TRAIN_ALGORITHMS=$(tr -d '\n' <<<"$help" | sed -n 's/.*--algorithm {\([^}]*\)}.*/\1/p' | tr ',' ' ')
+        log "mpidl train offers: $TRAIN_ALGORITHMS"
+    else
+        HAVE_TRAIN=0
+        log "this mpidl has no 'train' command: the training jobs will be $( ((REQUIRE_TRAIN)) && echo FAILED || echo SKIPPED)"
+    fi
+}
+
+PORT=26816
+next_port() {  # PORT <- the next TCP port above PORT that nothing listens on (not in a subshell: it counts)
+    PORT=$((PORT + 1))
+    while ss -Hltn "sport = :$PORT" | grep . >/dev/null; do PORT=$((PORT + 1)); done
+}
+
+start_munge() {
+    local dir=$WORK/munge i
+    mkdir -p "$dir"
+    dd if=/dev/urandom of="$dir/munge.key" bs=1024 count=1 status=none
+    chown -R munge:munge "$dir"
+    chmod 711 "$dir"   # munged insists that everyone may reach its socket
+    chmod 400 "$dir/munge.key"
+    MUNGE_SOCKET=$dir/munge.socket
+    # setpriv execs munged itself, so the recorded PID is munged's.
+    start_daemon munged "$WORK/munged.out" setpriv --reuid=munge --regid=munge --init-groups \
+        munged --foreground --key-file="$dir/munge.key" --socket="$MUNGE_SOCKET" \
+        --pid-file="$dir/munged.pid" --log-file="$dir/munged.log" --seed-file="$dir/munged.seed"
+    for ((i = 0; i < 100; i++)); do
+        if munge -S "$MUNGE_SOCKET" -n 2>/dev/null | unmunge -S "$MUNGE_SOCKET" >/dev/null 2>&1; then
+            log "munged answers on $MUNGE_SOCKET"
+            return 0
+        fi
+        sleep 0.1
+    done
+    cat "$dir/munged.log" "$WORK/munged.out" >&2 || true
+    die "munged did not come up"
+}
+
+# start_slurm PHASE NODE...: a slurm.conf for these nodes, then slurmctld and one slurmd per node.
+start_slurm() {
+    local phase=$1 dir=$WORK/$1 node i state ctld_port
+    shift
+    PHASE_DIR=$dir
+    NODES=("$@")
+    mkdir -p "$dir/state" "$dir/spool"
+    next_port
+    ctld_port=$PORT
+    export SLURM_CONF=$dir/slurm.conf
+    cat >"$SLURM_CONF" <<EOF
+# Throwaway Slurm for jobs/test/local_slurm.sh ($phase); everything lives in $dir.
+ClusterName=mpidlproof
+SlurmctldHost=localhost
+SlurmctldPort=$ctld_port
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket=$MUNGE_SOCKET
+CredType=cred/munge
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool/%n
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
+SlurmctldLogFile=$dir/slurmctld.log
+SlurmdLogFile=$dir/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=pmi2
+SlurmdParameters=config_overrides
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+ReturnToService=2
+MinJobAge=3600
+# Not 1: MPI_Init in step 1.1 of job 1 (only there) hangs or aborts with the mpich wheel under srun --mpi=pmi2.
+FirstJobId=1001
+KillWait=5
+InactiveLimit=0
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$dir/jobcomp.txt
+MailProg=/bin/true
+EOF
+    for node in "${NODES[@]}"; do  # every slurmd on this host, each on its own port
+        next_port
+        echo "NodeName=$node NodeHostname=localhost NodeAddr=127.0.0.1 Port=$PORT CPUs=8 State=UNKNOWN" >>"$SLURM_CONF"
+    done
+    echo "PartitionName=proof Nodes=ALL Default=YES MaxTime=60 State=UP" >>"$SLURM_CONF"
+
+    start_daemon "slurmctld-$phase" "$dir/slurmctld.out" slurmctld -D -f "$SLURM_CONF"
+    for ((i = 0; i < 300; i++)); do
+        timeout 5 scontrol ping 2>/dev/null | grep "is UP" >/dev/null && break
+        sleep 0.1
+    done
+    timeout 5 scontrol ping 2>/dev/null | grep "is UP" >/dev/null || { tail -20 "$dir/slurmctld.log" >&2; die "slurmctld did not come up"; }
+    for node in "${NODES[@]}"; do
+        start_daemon "slurmd-$node" "$dir/slurmd-$node.out" slurmd -D -f "$SLURM_CONF" -N "$node"
+    done
+    for ((i = 0; i < 300; i++)); do
+        state=$(timeout 5 sinfo -h -N -o '%T' 2>/dev/null | sort -u | tr '\n' ' ') || state=""
+        [[ $state == "idle " ]] && break
+        sleep 0.1
+    done
+    [[ $state == "idle " ]] || { tail -20 "$dir"/slurm*.log >&2; die "nodes not idle: $state"; }
+    log "Slurm up ($phase): $(timeout 30 sinfo -h -N -o '%N' | tr '\n' ' ')idle; slurmctld port $ctld_port"
+}
+
+stop_slurm() {
+    cancel_jobs
+    stop_daemons '^slurm'
+    unset SLURM_CONF
+}
+
+# ---------------------------------------------------------------- jobs
+
+# The small settings every proof job gets (the scripts' knobs, by environment).
+COMMON_ENV=("SIZES=4K,64K" REPEAT=3 EPOCHS=1 SEED=0 PLOT=0)
+
+record() {  # record NAME LAUNCHER SHAPE STATE EXIT SECONDS VERDICT
+    RESULTS+=("$(printf '%-35s %-8s %-5s %-10s %-5s %5s  %s' "$@")")
+    case $7 in
+        PASS) ;;
+        SKIP*) SKIPPED=$((SKIPPED + 1)) ;;
+        *) FAILED=$((FAILED + 1)) ;;
+    esac
+    log "$1: $7"
+}
+
+wanted() { [[ -z $ONLY || $1 =~ $ONLY ]]; }
+
+# skip_train NAME LAUNCHER SHAPE KNOBS: true (and recorded) when there is no
+# mpidl train, or it lacks the job's ALGORITHM.
+skip_train() {
+    local algorithm
+    algorithm=$(sed -n 's/.*ALGORITHM=\([a-z]*\).*/\1/p' <<<"$4")
+    if ((HAVE_TRAIN)); then
+        [[ -z $algorithm || " $TRAIN_ALGORITHMS " == *" $algorithm "* ]] && return 1
+        record "$1" "$2" "$3" - - - "SKIP (mpidl train has no $algorithm yet)"
+    elif ((REQUIRE_TRAIN)); then
+        record "$1" "$2" "$3" - - - "FAIL: mpidl has no train command"
+    else
+        record "$1" "$2" "$3" - - - "SKIP (mpidl has no train command yet)"
+    fi
+}
+
+# check_output NAME OUT OUTDIR EXPECT...: each EXPECT is "re:REGEX" (a line of
+# the job's output matches), "json:FILE" (FILE in OUTDIR is valid JSON) or
+# "file:FILE" (FILE in OUTDIR is not empty);
+# prints what is missing, returns 1 if anything is.
+check_output() {
+    local out=$2 outdir=$3 e bad=0
+    shift 3
+    for e in "$@"; do
+        case $e in
+            re:*) grep -Eq -- "${e#re:}" "$out" || { echo "no line matching /${e#re:}/"; bad=1; } ;;
+            json:*) "$VENV/bin/python" -c 'import json, sys; json.load(open(sys.argv[1]))' "$outdir/${e#json:}" 2>/dev/null ||
+                { echo "no valid ${e#json:}"; bad=1; } ;;
+            file:*) [[ -s $outdir/${e#file:} ]] || { echo "no ${e#file:}"; bad=1; } ;;
+        esac
+    done
+    return "$bad"
+}
+
+# sbatch_job NAME SCRIPT "SBATCH OPTIONS" "KNOBS" EXPECT...: submit, wait, check, record.
+sbatch_job() {
+    local name=$1 script=$2 opts=$3 knobs=$4
+    shift 4
+    local out=$WORK/out/$name.out outdir=$WORK/results/$name id info state exit runtime t verdict
+    local launcher shape deadline missing
+    wanted "$name" || return 0
+    launcher=$(sed -n 's/.*LAUNCHER=\([a-z]*\).*/\1/p' <<<"$knobs")
+    shape=$(sed -n 's/.*--nodes=\([0-9]*\).*--ntasks-per-node=\([0-9]*\).*/\1x\2/p' <<<"$opts")
+    if [[ $script == train* ]] && skip_train "$name" "$launcher" "$shape" "$knobs"; then return 0; fi
+    mkdir -p "$WORK/out"
+    t=$SECONDS
+    # shellcheck disable=SC2086  # opts and knobs are word lists without spaces in them
+    id=$(env "${COMMON_ENV[@]}" MPIDL_VENV="$VENV" OUTDIR="$outdir" $knobs \
+        timeout 60 sbatch --parsable --output="$out" --time=$(((JOB_TIMEOUT + 59) / 60)) $opts "$REPO/jobs/$script") ||
+        { record "$name" "$launcher" "$shape" - - - "FAIL: sbatch refused the job"; return 0; }
+    id=${id%%;*}
+    SUBMITTED+=("$id")
+    log "$name: job $id submitted ($script $opts $knobs)"
+    deadline=$((SECONDS + JOB_TIMEOUT))
+    while :; do
+        info=$(timeout 30 scontrol -o show job "$id" 2>/dev/null) || info=""
+        state=$(sed -n 's/.* JobState=\([A-Z_]*\) .*/\1/p' <<<"$info")
+        case $state in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY | BOOT_FAIL | DEADLINE | PREEMPTED) break ;; esac
+        if ((SECONDS > deadline)); then
+            log "$name: still $state after $JOB_TIMEOUT s; cancelling"
+            cancel_jobs
+            record "$name" "$launcher" "$shape" "$state" - "$((SECONDS - t))" "FAIL: timed out after $JOB_TIMEOUT s"
+            tail -n 30 "$out" 2>/dev/null | sed 's/^/    | /'
+            return 0
+        fi
+        sleep 1
+    done
+    exit=$(sed -n 's/.* ExitCode=\([0-9:]*\) .*/\1/p' <<<"$info")
+    runtime=$(sed -n 's/.* RunTime=\([0-9:-]*\) .*/\1/p' <<<"$info")
+    verdict=PASS
+    if [[ $state != COMPLETED || $exit != 0:0 ]]; then
+        verdict="FAIL: $state, exit $exit"
+    elif ! missing=$(check_output "$name" "$out" "$outdir" "$@"); then
+        verdict="FAIL: ${missing//$'\n'/; }"
+    elif ((${#NODES[@]} > 1)) && ! grep -q "StepId=$id\." "$PHASE_DIR/slurmd-${NODES[1]}.log"; then
+        verdict="FAIL: no step of job $id ran on ${NODES[1]}"
+    fi
+    record "$name" "$launcher" "$shape" "$state" "$exit" "$((SECONDS - t))" "$verdict"
+    if [[ $verdict != PASS ]]; then tail -n 30 "$out" 2>/dev/null | sed 's/^/    | /'; fi
+    log "$name: RunTime $runtime"
+}
+
+# mpirun_job NAME "KNOBS" EXPECT...: jobs/mpirun.sh outside Slurm, bounded by the job timeout.
+mpirun_job() {
+    local name=$1 knobs=$2
+    shift 2
+    local out=$WORK/out/$name.out outdir=$WORK/results/$name status=0 t verdict missing v unset_slurm=()
+    wanted "$name" || return 0
+    if [[ $knobs == *WHAT=train* ]] && skip_train "$name" mpirun 2x2 "$knobs"; then return 0; fi
+    mkdir -p "$WORK/out"
+    for v in "${!SLURM_@}"; do unset_slurm+=(-u "$v"); done
+    t=$SECONDS
+    log "$name: jobs/mpirun.sh $knobs"
+    # shellcheck disable=SC2086  # knobs is a word list without spaces in it
+    timeout -k 10 "$JOB_TIMEOUT" env "${unset_slurm[@]}" "${COMMON_ENV[@]}" MPIDL_VENV="$VENV" OUTDIR="$outdir" \
+        HOSTFILE="$WORK/hostfile" NP=4 $knobs bash "$REPO/jobs/mpirun.sh" >"$out" 2>&1 || status=$?
+    verdict=PASS
+    if ((status != 0)); then
+        verdict="FAIL: exit $status$( ((status == 124)) && echo " (timed out)")"
+    elif ! missing=$(check_output "$name" "$out" "$outdir" "$@"); then
+        verdict="FAIL: ${missing//$'\n'/; }"
+    fi
+    record "$name" mpirun 2x2 - "$status" "$((SECONDS - t))" "$verdict"
+    if [[ $verdict != PASS ]]; then tail -n 30 "$out" 2>/dev/null | sed 's/^/    | /'; fi
+}
+
+# Expected output.
+INFO4=('re:^ranks +4$')
+NODES2=('re:^nodes +2$' 're:^ranks per node +2 2$')
+BENCH=('re:^# mpidl bench: 4 ranks' 're:^ +size +algorithm +time' 're:^ +64 KiB +ring ' json:bench.json)
+ALL_ALGORITHMS="allreduce dpsgd lsgd adpsgd grsgd prague"   # issue 4/5
+TRAIN_ALGORITHMS=""   # what the installed mpidl train offers (make_venv)
+
+# ---------------------------------------------------------------- main
+
+log "repository $REPO"
+stop_stale
+install_packages
+WORK=$(mktemp -d /tmp/mpidl-slurm.XXXXXX)
+echo "$WORK" >"$STATE_DIR/workdir"   # for the next run, should this one be killed outright
+chmod 755 "$WORK"   # munged (user munge) needs to reach its directory inside
+log "work directory $WORK"
+make_venv
+# train_all expects a result from every algorithm mpidl train offers.
+TRAIN_ALL=()
+for a in $TRAIN_ALGORITHMS; do TRAIN_ALL+=("json:train-$a.json"); done
+start_munge
+printf 'localhost:2\n127.0.0.1:2\n' >"$WORK/hostfile"   # two "hosts" for hydra, neither over ssh
+
+S1="--nodes=1 --ntasks-per-node=4"
+S2="--nodes=2 --ntasks-per-node=2"
+start_slurm single localhost
+sbatch_job bench-srun bench.sbatch "$S1" "LAUNCHER=srun" "${INFO4[@]}" "${BENCH[@]}"
+sbatch_job bench-mpiexec bench.sbatch "$S1" "LAUNCHER=mpiexec" "${INFO4[@]}" "${BENCH[@]}"
+sbatch_job train-srun-dpsgd train.sbatch "$S1" "LAUNCHER=srun ALGORITHM=dpsgd PLOT=1" "${INFO4[@]}" json:train-dpsgd.json file:train-dpsgd.png
+((QUICK)) || sbatch_job train-mpiexec-allreduce train.sbatch "$S1" "LAUNCHER=mpiexec ALGORITHM=allreduce" "${INFO4[@]}" json:train-allreduce.json
+sbatch_job train_all-srun train_all.sbatch "$S1" "LAUNCHER=srun" "${INFO4[@]}" "${TRAIN_ALL[@]}"
+stop_slurm
+
+start_slurm multi node1 node2
+sbatch_job bench_multinode-srun bench_multinode.sbatch "$S2" "LAUNCHER=srun" "${INFO4[@]}" "${NODES2[@]}" "${BENCH[@]}"
+sbatch_job bench_multinode-mpiexec bench_multinode.sbatch "$S2" "LAUNCHER=mpiexec" "${INFO4[@]}" "${NODES2[@]}" "${BENCH[@]}"
+((QUICK)) || sbatch_job train_multinode-srun-lsgd train_multinode.sbatch "$S2" "LAUNCHER=srun ALGORITHM=lsgd" "${INFO4[@]}" "${NODES2[@]}" json:train-lsgd.json
+sbatch_job train_multinode-mpiexec-dpsgd-slow train_multinode.sbatch "$S2" "LAUNCHER=mpiexec ALGORITHM=dpsgd SLOW=1:2" "${INFO4[@]}" "${NODES2[@]}" json:train-dpsgd.json
+((QUICK)) || sbatch_job train_all-2nodes-mpiexec train_all.sbatch "$S2" "LAUNCHER=mpiexec" "${INFO4[@]}" "${NODES2[@]}" "${TRAIN_ALL[@]}"
+stop_slurm
+
+mpirun_job mpirun-bench "WHAT=bench" "${INFO4[@]}" "${NODES2[@]}" "${BENCH[@]}"
+mpirun_job mpirun-train-lsgd "WHAT=train ALGORITHM=lsgd PLOT=1" "${INFO4[@]}" "${NODES2[@]}" json:train-lsgd.json file:train-lsgd.png
+
+if ((HAVE_TRAIN)); then
+    for a in $ALL_ALGORITHMS; do
+        [[ " $TRAIN_ALGORITHMS " == *" $a "* ]] || record "(train algorithm $a)" - - - - - "SKIP (mpidl train has no $a yet)"
+    done
+fi
+echo
+echo "== jobs/ under a local Slurm ($(slurmctld -V)), venv $VENV"
+printf '%-35s %-8s %-5s %-10s %-5s %5s  %s\n' job launcher shape state exit secs result
+printf '%s\n' "${RESULTS[@]}"
+echo "== $((${#RESULTS[@]} - FAILED - SKIPPED)) passed, $FAILED failed, $SKIPPED skipped; $((SECONDS - T0)) s in all"
+((FAILED == 0))
