@@ -9,6 +9,7 @@ per call.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -67,26 +68,31 @@ def _plan_torus2d(req: Request) -> Run:
 
 
 class _Auto:
-    """The "auto" plan: per buffer size, the algorithm the cost model predicts fastest."""
+    """The "auto" plan: per buffer size (and memory), the algorithm the cost model predicts fastest."""
 
     def __init__(self, req: Request) -> None:
+        self.req = req
         self.layout = node_layout(req.comm, req.layout)
-        self.grid = req.grid
-        self.params = costmodel.params_for(req.comm, self.layout, req.ctx.cache)
         self.runs = {name: ALGORITHMS[name](req) for name in costmodel.MODELS}
-        self.chosen: dict[int, str] = {}
+        self.chosen: dict[tuple[int, Any], str] = {}
+        self.params(np)  # calibrate for host buffers now, while every rank is here
 
-    def algorithm_for(self, nbytes: int) -> str:
-        """The algorithm run for ``nbytes`` (chosen once per size, logged at DEBUG)."""
-        name = self.chosen.get(nbytes)
+    def params(self, xp: Any) -> costmodel.Params:
+        """The cost-model parameters for buffers of array module ``xp`` (collective on first use)."""
+        return costmodel.params_for(self.req.comm, self.layout, self.req.ctx.cache, xp)
+
+    def algorithm_for(self, nbytes: int, xp: Any = np) -> str:
+        """The algorithm run for ``nbytes`` of ``xp`` memory (chosen once per size, logged at DEBUG)."""
+        name = self.chosen.get((nbytes, xp))
         if name is None:
-            choice = costmodel.choose(nbytes, self.layout, self.params, self.grid)
+            choice = costmodel.choose(nbytes, self.layout, self.params(xp), self.req.grid)
             log.debug("%s", choice.reason)
-            name = self.chosen[nbytes] = choice.algorithm
+            name = self.chosen[nbytes, xp] = choice.algorithm
         return name
 
     def __call__(self, x: Any, red: Reduction) -> None:
-        self.runs[self.algorithm_for(x.nbytes)](x, red)
+        xp = np if type(x) is np.ndarray else array_module(x)
+        self.runs[self.algorithm_for(x.nbytes, xp)](x, red)
 
 
 #: Registered all-reduce algorithms: name -> planner.
@@ -186,13 +192,15 @@ def broadcast(buf: Any, comm: Optional[MPI.Comm] = None, *, validate: Optional[b
 
 
 def explain(nbytes: int, comm: Optional[MPI.Comm] = None, *, layout: RanksPerNode = None,
-            grid: Optional[tuple[int, int]] = None) -> costmodel.Choice:
-    """What ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``comm``, every
-    candidate's predicted time, and the reason (collective on first use: it may
-    calibrate the cost model)."""
+            grid: Optional[tuple[int, int]] = None, device: str = "cpu") -> costmodel.Choice:
+    """What ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``comm`` (in
+    host memory, or GPU memory with ``device="cuda"``), every candidate's
+    predicted time, and the reason (collective on first use: it may calibrate
+    the cost model)."""
     user = MPI.COMM_WORLD if comm is None else comm
     lay = node_layout(user, layout)
-    return costmodel.choose(nbytes, lay, costmodel.params_for(user, lay, context(user).cache), grid)
+    xp = np if device == "cpu" else importlib.import_module("cupy")
+    return costmodel.choose(nbytes, lay, costmodel.params_for(user, lay, context(user).cache, xp), grid)
 
 
 

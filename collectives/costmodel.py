@@ -37,7 +37,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -233,7 +233,7 @@ def choose(nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None) -
 _SMALL, _LARGE = 8, 4 << 20
 
 
-def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15) -> Params:
+def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Params:
     """Measure the parameters on ``comm`` (collective; about a second).
 
     alpha and beta come from timed exchanges (both ranks send at once, as the
@@ -241,18 +241,25 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15) -> Params:
     the first ranks of two nodes; gamma from a timed in-place float32 sum of
     4 MiB; overhead from an all-reduce of an empty buffer. Parameters that
     the layout cannot measure (no two ranks on one node, or one node) are
-    taken from the other link class.
+    taken from the other link class. ``xp`` = cupy measures device buffers
+    (through the device transport in use), whose costs differ from host
+    memory's by orders of magnitude.
     """
     from . import api
     from .context import context
     from .p2p import sendrecv
 
     user, comm = comm, context(comm).comm
+    if xp is not np:
+        from . import gpu
+
+        gpu.configure(comm)  # the device transport the algorithms will use (collective)
     rank = comm.Get_rank()
     intra = next(((m[0], m[1]) for m in map(lay.members, range(lay.nodes)) if len(m) > 1), None)
     inter = (lay.members(0)[0], lay.members(1)[0]) if lay.nodes > 1 else None
-    a = np.zeros(_LARGE, np.uint8)
-    b = np.zeros(_LARGE, np.uint8)
+    a = xp.zeros(_LARGE, np.uint8)
+    b = xp.zeros(_LARGE, np.uint8)
+    sync = xp.cuda.get_current_stream().synchronize if xp is not np else (lambda: None)
 
     def exchange(pair: Optional[tuple[int, int]]) -> Optional[tuple[float, float]]:
         times = {}
@@ -273,12 +280,14 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15) -> Params:
 
     measured_intra = exchange(intra)
     measured_inter = exchange(inter)
-    x = np.ones(_LARGE // 4, np.float32)
-    y = np.ones(_LARGE // 4, np.float32)
+    x = xp.ones(_LARGE // 4, np.float32)
+    y = xp.ones(_LARGE // 4, np.float32)
     samples = []
     for _ in range(5):
+        sync()
         t0 = time.perf_counter()
-        np.add(x, y, out=x)
+        xp.add(x, y, out=x)
+        sync()
         samples.append(time.perf_counter() - t0)
     gamma = comm.allreduce(float(np.median(samples)) / _LARGE, op=MPI.MAX)
     empty = np.zeros(0, np.float32)
@@ -293,24 +302,28 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15) -> Params:
     ai, bi = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra)
     ae, be = measured_inter or (ai, bi)
     stamp = time.strftime("%Y-%m-%d %H:%M")
+    memory = "host" if xp is np else "device"
     return Params(ai, bi, ae, be, gamma, overhead,
-                  f"calibrated {stamp} on {comm.Get_size()} ranks, {lay}")
+                  f"calibrated {stamp} on {comm.Get_size()} ranks, {lay}, {memory} buffers")
 
 
-def params_for(comm: MPI.Comm, lay: Layout, cache: dict) -> Params:
-    """The parameters ``auto`` uses on ``comm``: set by :func:`use`, else the
-    file named by ``MPIDL_COSTMODEL``, else measured once (collective) and cached."""
-    prm = cache.get("costmodel")
+def params_for(comm: MPI.Comm, lay: Layout, cache: dict, xp: Any = np) -> Params:
+    """The parameters ``auto`` uses on ``comm`` for buffers of array module ``xp``:
+    for host buffers the file named by ``MPIDL_COSTMODEL`` if it exists, else
+    measured once (collective), cached, and written to that file if named;
+    for device buffers measured once and cached."""
+    key = ("costmodel", xp.__name__)
+    prm = cache.get(key)
     if prm is None:
-        path = os.environ.get("MPIDL_COSTMODEL")
+        path = os.environ.get("MPIDL_COSTMODEL") if xp is np else None
         if path and os.path.exists(path):
             prm = Params.load(path)
         else:
-            prm = calibrate(comm, lay)
+            prm = calibrate(comm, lay, xp=xp)
             log.debug("calibrated cost model: %s", prm)
             if path and comm.Get_rank() == 0:
                 prm.save(path)
-        cache["costmodel"] = prm
+        cache[key] = prm
     return prm
 
 

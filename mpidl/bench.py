@@ -152,12 +152,12 @@ def run(sizes: Sequence[int], names: Sequence[str], dtype: str = "float32", repe
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
     lay = layout(comm)
-    prm = costmodel.params_for(comm, lay, context(comm).cache)
+    xp = np if device == "cpu" else importlib.import_module("cupy")
+    prm = costmodel.params_for(comm, lay, context(comm).cache, xp)
     fns = candidates(names, validate, device)
     results: list[Result] = []
     steps = [(size, phase) for size in sizes for phase in (["default", "tuned"] if tuned_malloc else ["default"])]
     bar = _progress(len(steps), progress and comm.Get_rank() == 0)
-    xp = np if device == "cpu" else importlib.import_module("cupy")
     for size, phase in steps:
         _mallopt(phase == "tuned")
         todo = {k: v for k, v in fns.items() if phase == "default" or k.startswith("native")}
@@ -289,7 +289,8 @@ def main(args: argparse.Namespace) -> int:
     results = run(sizes, names, args.dtype, args.repeat, args.batch_time, not args.no_validate, args.tuned_malloc,
                   device=args.device)
     if comm.Get_rank() == 0:
-        prm = costmodel.params_for(comm, layout(comm), context(comm).cache)
+        xp = np if args.device == "cpu" else importlib.import_module("cupy")
+        prm = costmodel.params_for(comm, layout(comm), context(comm).cache, xp)
         meta = {"ranks": comm.Get_size(), "dtype": args.dtype, "validate": not args.no_validate,
                 "device": args.device if args.device == "cpu" else f"cuda, transport {gpu.PATH}",
                 "layout": str(layout(comm)), "costmodel": str(prm),
