@@ -12,7 +12,17 @@ name            class                  communication per step
 ``dpsgd``       :class:`DPSGD`         neighbor averaging of the models over a graph
 ``lsgd``        :class:`LSGD`          all-reduce in groups; among groups overlapped,
                                        one step late
+``adpsgd``      :class:`ADPSGD`        asynchronous: atomic averaging with one random
+                                       neighbor of a bipartite graph, overlapped
+``grsgd``       :class:`GRSGD`         asynchronous: gossip exchanges with the ring
+                                       neighbors, each worker's lead bounded
+``prague``      :class:`Prague`        asynchronous: local steps, then P-Reduce in a
+                                       group from the group generator
 =============== ====================== ==============================================
+
+The asynchronous ones (:attr:`Algorithm.asynchronous`) never wait for every
+worker; :meth:`Algorithm.settle` finishes what is in flight, e.g. before the
+models are evaluated.
 
 :func:`create` builds one by name, e.g. for a command line::
 
@@ -28,12 +38,15 @@ from typing import Any, Optional
 
 from mpi4py import MPI
 
+from .adpsgd import ADPSGD
 from .allreduce_sgd import AllReduceSGD
 from .base import Algorithm
 from .dpsgd import DPSGD
 from .flat import FlatParams, flatten
+from .grsgd import GRSGD
 from .lsgd import LSGD
 from .optim import SGD
+from .prague import Prague
 from .topology import TOPOLOGIES, Topology, TopologyError
 
 #: Training algorithms by name.
@@ -41,6 +54,9 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "allreduce": AllReduceSGD,
     "dpsgd": DPSGD,
     "lsgd": LSGD,
+    "adpsgd": ADPSGD,
+    "grsgd": GRSGD,
+    "prague": Prague,
 }
 
 
@@ -59,5 +75,5 @@ def create(name: str, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = Non
     return cls(model, optimizer, comm, **options)
 
 
-__all__ = ["ALGORITHMS", "SGD", "TOPOLOGIES", "Algorithm", "AllReduceSGD", "DPSGD", "FlatParams", "LSGD",
-           "Topology", "TopologyError", "create", "flatten"]
+__all__ = ["ADPSGD", "ALGORITHMS", "DPSGD", "GRSGD", "LSGD", "SGD", "TOPOLOGIES", "Algorithm", "AllReduceSGD",
+           "FlatParams", "Prague", "Topology", "TopologyError", "create", "flatten"]

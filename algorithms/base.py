@@ -36,13 +36,23 @@ Counters, per worker: :attr:`~Algorithm.iterations`;
 ring all-reduce); :attr:`~Algorithm.comm_wait_s`, the seconds steps spent in
 communication or waiting for it.
 
+Synchronous and asynchronous algorithms: in a synchronous one every step of
+every worker takes part in the same collective, so all workers take the same
+number of steps. In an asynchronous one (:attr:`Algorithm.asynchronous`) a
+step never waits for every worker, and a fast worker may take more steps than
+a slow one; a training loop should then count the steps of all workers
+together (``mpidl train`` does). Either kind may keep communication in flight
+between steps; :meth:`Algorithm.settle` (collective) finishes it, after which
+every worker's parameters stay as they are until its next step — the moment
+to evaluate or save the models.
+
 Writing a new algorithm: subclass :class:`Algorithm`, set ``name``, and
 implement :meth:`~Algorithm._step`; override :meth:`~Algorithm._configure`
 (local checks, returns the options every rank must agree on),
-:meth:`~Algorithm._start` (collective set-up) and :meth:`~Algorithm.close`
-(threads, communicators) as needed; register the class in
-:data:`algorithms.ALGORITHMS`. Asynchronous algorithms run their service
-thread with :class:`algorithms.background.Background`.
+:meth:`~Algorithm._start` (collective set-up), :meth:`~Algorithm.settle` and
+:meth:`~Algorithm.close` (threads, communicators) as needed; register the
+class in :data:`algorithms.ALGORITHMS`. Service threads that overlap
+communication with computation are :class:`algorithms.background.Background`.
 """
 
 from __future__ import annotations
@@ -88,6 +98,8 @@ class Algorithm(ABC):
 
     #: The algorithm's name in :data:`algorithms.ALGORITHMS`.
     name: ClassVar[str]
+    #: Whether workers may take different numbers of steps (module docstring).
+    asynchronous: bool = False
 
     def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
                  broadcast_init: bool = True, validate: Optional[bool] = None) -> None:
@@ -148,6 +160,13 @@ class Algorithm(ABC):
         self.flat.collect_grads()
         self._step()
         self.iterations += 1
+
+    def settle(self) -> None:
+        """Finish the communication that changes parameters in flight (collective):
+        afterwards every worker's parameters stay as they are until its next step.
+        Steps may follow. The base class has none in flight."""
+        if self.closed:
+            raise RuntimeError(f"{self!r} is closed")
 
     def close(self) -> None:
         """Release threads and communicators the algorithm holds (collective); no step

@@ -19,6 +19,8 @@ Builders (all undirected; W symmetric and doubly stochastic):
   form of the exponential graph (BlueFog's default is its directed, one-way
   form, whose W is not symmetric).
 * :func:`fully_connected`: every pair; W = 11^T / n, spectral gap 1.
+* :func:`bipartite`: every even rank ~ every odd rank (the complete
+  bipartite graph), for AD-PSGD's active/passive split on any n.
 * :func:`from_edges`, :func:`from_adjacency`: a user's graph;
   :func:`from_matrix`: a user's mixing matrix, checked.
 
@@ -112,6 +114,22 @@ class Topology:
         """1 - |lambda_2|."""
         return 1.0 - self.lambda2
 
+    def sides(self) -> Optional[tuple[int, ...]]:
+        """A 2-colouring of the graph (0 or 1 per rank, rank 0 on side 0) if it is
+        bipartite — every edge joins the two sides — else None."""
+        side = [-1] * self.size
+        side[0] = 0
+        frontier = [0]
+        while frontier:  # breadth-first: the graph is connected
+            i = frontier.pop()
+            for j in self.neighbors(i):
+                if side[j] < 0:
+                    side[j] = 1 - side[i]
+                    frontier.append(j)
+                elif side[j] == side[i]:
+                    return None
+        return tuple(side)
+
     def __repr__(self) -> str:
         return f"Topology({self.name}, gap={self.spectral_gap:.4g})"
 
@@ -163,6 +181,12 @@ def fully_connected(n: int, weights: str = "uniform") -> Topology:
     return _build(f"fully_connected({n})", n, ((i, j) for i in range(n) for j in range(i + 1, n)), weights)
 
 
+def bipartite(n: int, weights: str = "uniform") -> Topology:
+    """Every even rank ~ every odd rank: the complete bipartite graph K(ceil(n/2), floor(n/2))."""
+    _check_size(n)
+    return _build(f"bipartite({n})", n, ((i, j) for i in range(0, n, 2) for j in range(1, n, 2)), weights)
+
+
 def from_edges(n: int, edges: Iterable[Sequence[int]], weights: str = "metropolis", name: str = "") -> Topology:
     """A user's undirected graph on n ranks from (i, j) pairs (each pair once or both ways)."""
     _check_size(n)
@@ -211,6 +235,7 @@ TOPOLOGIES: dict[str, Callable[..., Topology]] = {
     "hypercube": hypercube,
     "exponential": exponential,
     "full": fully_connected,
+    "bipartite": bipartite,
 }
 
 

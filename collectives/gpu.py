@@ -202,14 +202,26 @@ class _Staged:
 
 
 class _StagedPending:
-    """A staged nonblocking transfer: waiting completes the MPI request, copies a
-    received message to the device, and returns the pinned buffer to the pool."""
+    """A staged nonblocking transfer: on completion (``Wait``, or a ``Test`` that
+    finds it done) a received message is copied to the device and the pinned
+    buffer goes back to the pool."""
 
     def __init__(self, transport: _Staged, request: MPI.Request, host: np.ndarray, device: Any = None) -> None:
         self.transport, self.request, self.host, self.device = transport, request, host, device
+        self.done = False
 
     def Wait(self) -> None:
-        self.request.Wait()
+        if not self.done:
+            self.request.Wait()
+            self._finish()
+
+    def Test(self) -> bool:
+        if not self.done and self.request.Test():
+            self._finish()
+        return self.done
+
+    def _finish(self) -> None:
+        self.done = True
         if self.device is not None:
             self.transport._to_device(self.host, self.device)
         self.transport._give_back(self.host)

@@ -36,7 +36,9 @@ Rules this module fixes (the seed leaves them open):
   finished then: its sends have completed and it holds the result.)
 * **Closing.** ``close(w)`` says w will request no more. Closed workers can
   still be drafted (they keep serving groups) until every worker has closed
-  and no group is active: then :attr:`GroupGenerator.finished` is true.
+  and no group is active: then :attr:`GroupGenerator.finished` is true, and
+  :meth:`GroupGenerator.reopen` can turn that end into a pause (P-Reduce's
+  ``settle()``: every worker may request again).
 
 Policies (:data:`POLICIES`):
 
@@ -234,6 +236,14 @@ class GroupGenerator:
         self._closed.add(worker)
         self._log(f"close w{worker} ({len(self._closed)}/{self.n} closed)")
         return self._schedule()
+
+    def reopen(self) -> None:
+        """Accept requests again from every worker after all closed and no group is
+        active (:attr:`finished`): the end of a pause rather than of the run."""
+        if not self.finished:
+            raise ArgumentError("reopen() needs every worker closed and no group active")
+        self._closed.clear()
+        self._log("reopen: every worker paused and no group is active; requests are accepted again")
 
     def stalled(self) -> list[tuple[tuple[str, int], float, str]]:
         """Every outstanding request as (key, seconds waited, description naming

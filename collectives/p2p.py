@@ -8,10 +8,16 @@ other arrays go through the transport registered for their type in
 
 Blocking (:func:`send`, :func:`recv`, :func:`sendrecv`) and nonblocking
 (:func:`isend`, :func:`irecv`, then :func:`waitall`) forms are offered; a
-nonblocking call returns a handle whose ``Wait()`` completes it (an
-``MPI.Request`` for host arrays; a transport may return its own handle, e.g.
-one that copies a staged receive to the device when waited on). The buffer of
-a pending transfer must not be touched until it is waited on.
+nonblocking call returns a handle whose ``Wait()`` completes it and whose
+``Test()`` says whether it has completed (an ``MPI.Request`` for host arrays;
+a transport may return its own handle, e.g. one that copies a staged receive
+to the device when it completes). The buffer of a pending transfer must not be
+touched until it has completed.
+
+Threads that wait for a peer while the process computes (the asynchronous
+algorithms' service threads) poll instead of blocking: a blocking MPI call
+busy-waits and would take a core from the computation. :class:`Backoff`
+spaces their polls.
 
 Every blocking call marks the thread as waiting on its peers for the stall
 inspector (:mod:`collectives.watchdog`). Every payload byte sent through this
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -44,6 +50,7 @@ class Pending(Protocol):
     """A started nonblocking transfer."""
 
     def Wait(self) -> Any: ...
+    def Test(self) -> bool: ...
 
 
 class Transport(Protocol):
@@ -145,12 +152,45 @@ def irecv(comm: MPI.Comm, buf: Any, source: int) -> Pending:
     return DEVICE_TRANSPORTS[type(buf)].irecv(comm, buf, source)
 
 
-def waitall(pending: Iterable[Pending], comm: Optional[MPI.Comm] = None, peers: tuple[int, ...] = ()) -> None:
+def waitall(pending: Iterable[Pending], comm: Optional[MPI.Comm] = None, peers: tuple[int, ...] = (), *,
+            poll: bool = False) -> None:
     """Complete every transfer in ``pending`` (all must have been started); ``comm``
-    and ``peers`` name them for the stall inspector."""
+    and ``peers`` name them for the stall inspector. ``poll``: test with
+    :class:`Backoff` sleeps in between instead of blocking (for a thread that
+    must leave the cores to the computation)."""
     s = watch(comm, peers)
     try:
-        for p in pending:
-            p.Wait()
+        if poll:
+            pending, backoff = list(pending), Backoff()
+            while not test(pending):
+                backoff.sleep()
+        else:
+            for p in pending:
+                p.Wait()
     finally:
         s.since = 0.0
+
+
+def test(pending: Sequence[Pending]) -> bool:
+    """Whether every transfer in ``pending`` has completed; each is tested (and so
+    progressed) every time, completed ones included."""
+    return all([p.Test() for p in pending])
+
+
+class Backoff:
+    """Sleeps for a polling loop: short while messages keep coming, growing (by
+    doubling, from ``first`` to ``longest`` seconds) while none does, so an idle
+    poller costs little CPU and a busy one little latency."""
+
+    def __init__(self, first: float = 10e-6, longest: float = 250e-6) -> None:
+        self.first, self.longest = first, longest
+        self.delay = first
+
+    def reset(self) -> None:
+        """Something arrived: poll soon again."""
+        self.delay = self.first
+
+    def sleep(self) -> None:
+        """Nothing arrived: sleep, and sleep longer next time."""
+        time.sleep(self.delay)
+        self.delay = min(self.longest, 2 * self.delay)

@@ -20,13 +20,21 @@ Protocol (``random``/``smart``; ``static`` needs no messages to GG):
 4. w returns after the group that serves its request. Groups it was drafted
    into by other workers' requests are run in step 3 on the way, with the
    same buffer; so are drafts that arrive after w's last request, in
-   :meth:`PReduce.close`.
+   :meth:`PReduce.settle` and :meth:`PReduce.close`.
+
+``settle()`` is a collective pause: each worker sends PAUSE and serves drafts
+until GG, once every worker has paused and no group is active, sends QUIET
+and accepts requests again. In between, every buffer is stable: a training
+loop evaluates the workers' models there.
 
 Where GG runs: a thread on ``service_rank`` (default 0) of the caller's own
 ranks — no extra rank, so it works under a plain ``mpiexec -n N``. It talks
-over a second private duplicate (its own context id), receiving REQUEST, DONE
-and CLOSE with one blocking ``Recv(ANY_SOURCE)`` and answering with ``Isend``
-so that it never waits for a worker. Needs ``MPI_THREAD_MULTIPLE``
+over a second private duplicate (its own context id), receiving REQUEST, DONE,
+PAUSE and CLOSE from any source and answering with ``Isend`` so that it never
+waits for a worker. It and the waiting workers poll for messages with short,
+growing sleeps (:class:`~collectives.p2p.Backoff`) rather than block: a
+blocking MPI receive busy-waits, and would take a core from the workers
+computing next to it. Needs ``MPI_THREAD_MULTIPLE``
 (mpi4py's default). ``close()`` is collective: each worker sends CLOSE and
 keeps serving drafts until GG, once all workers have closed and no group is
 active, sends SHUTDOWN; then the thread ends and the communicators are freed.
@@ -85,8 +93,8 @@ from .ops import reduction
 
 # Messages on the control communicator: (kind, argument) int64 pairs to GG,
 # (kind, group id, serves-you flag, size, members...) to the workers.
-REQUEST, DONE, CLOSE = 1, 2, 3
-NOTIFY, SHUTDOWN = 1, 2
+REQUEST, DONE, CLOSE, PAUSE = 1, 2, 3, 4
+NOTIFY, SHUTDOWN, QUIET = 1, 2, 3
 TO_GG, TO_WORKER = 1, 2
 
 #: Environment variable that switches the GG trace on: "1" or "stderr",
@@ -173,7 +181,7 @@ class PReduce:
             self._flat = as_flat(buf)
             self._on_host = type(self._flat.data) is np.ndarray
             self._red = reduction("avg", self._flat.dtype, array_module(self._flat.data))
-            self._kernel = _check_options(self.size, algorithm, policy, group_size, period, seed, service_rank)
+            self._kernel = check_options(self.size, algorithm, policy, group_size, period, seed, service_rank)
         except ArgumentError as exc:
             problem = exc
         if validation.enabled(validate):
@@ -239,11 +247,23 @@ class PReduce:
             while True:
                 served = self._serve()
                 if served is None:
-                    raise CollectiveError("the group generator shut down with a request outstanding")
+                    raise CollectiveError("the group generator stopped with a request outstanding")
                 if served:
                     break
         self.stats.calls += 1
         return self._flat.owner
+
+    def settle(self) -> None:
+        """Collectively pause: serve drafts until every rank has called ``settle()``
+        and no group is running or queued; then return (every rank's buffer is
+        stable until its next ``average()``). Nothing to wait for under ``static``.
+        """
+        if self._closed:
+            raise CollectiveError("PReduce.settle() after close()")
+        if self.policy != "static":
+            self._tell(PAUSE)
+            while self._serve(watched=False) is not None:  # others may still be training: not a stall
+                pass
 
     def close(self) -> None:
         """Collectively stop: serve remaining drafts, stop GG, free the communicators.
@@ -274,20 +294,24 @@ class PReduce:
         self.close()
 
     def _serve(self, watched: bool = True) -> Optional[bool]:
-        """Run the next group GG notified: True if it served this rank's request, None on SHUTDOWN.
+        """Run the next group GG notified: True if it served this rank's request,
+        None on SHUTDOWN or QUIET.
 
-        ``watched``: the wait is a stall if it lasts (not while closing).
+        ``watched``: the wait is a stall if it lasts (not while pausing or closing).
         """
         t = time.perf_counter()
         p2p.operation(f"P-Reduce (waiting for a group from the group generator on rank {self._service_rank})")
         blocked = p2p.watch(self._ctl, (self._service_rank,)) if watched else _UNWATCHED
         try:
+            backoff = p2p.Backoff()
+            while not self._ctl.Iprobe(self._service_rank, TO_WORKER):
+                backoff.sleep()
             self._ctl.Recv([self._inbox, MPI.INT64_T], self._service_rank, TO_WORKER)
         finally:
             blocked.since = 0.0
         self.stats.wait_s += time.perf_counter() - t
         kind, gid, serves, size = (int(v) for v in self._inbox[:4])
-        if kind == SHUTDOWN:
+        if kind in (SHUTDOWN, QUIET):
             return None
         members = tuple(int(m) for m in self._inbox[4:4 + size])
         p2p.operation(f"P-Reduce (group {gid} of ranks {list(members)})")
@@ -321,8 +345,8 @@ class PReduce:
         self._ctl.Send([self._outbox, MPI.INT64_T], self._service_rank, TO_GG)
 
 
-def _check_options(size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int,
-                   service_rank: int) -> Kernel:
+def check_options(size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int,
+                  service_rank: int) -> Kernel:
     """Raise ArgumentError for a bad option; return the kernel of ``algorithm``."""
     kernel = GROUP_KERNELS.get(algorithm)
     if kernel is None:
@@ -345,6 +369,7 @@ class _Service:
 
     def __init__(self, ctl: MPI.Comm, gg: GroupGenerator, trace: Optional["_Trace"]) -> None:
         self.ctl, self.gg, self.trace = ctl, gg, trace
+        self.sends: list[tuple[MPI.Request, np.ndarray]] = []  # notifications in flight, with their buffers
 
     def run(self) -> None:
         try:
@@ -361,30 +386,47 @@ class _Service:
         gg, ctl = self.gg, self.ctl
         msg = np.zeros(2, np.int64)
         status = MPI.Status()
-        sends: list[tuple[MPI.Request, np.ndarray]] = []
-        while not gg.finished:
-            ctl.Recv([msg, MPI.INT64_T], MPI.ANY_SOURCE, TO_GG, status)
+        backoff = p2p.Backoff()
+        pausing: set[int] = set()  # workers that sent PAUSE, not CLOSE
+        while True:
+            if not ctl.Iprobe(MPI.ANY_SOURCE, TO_GG, status):
+                backoff.sleep()
+                continue
+            backoff.reset()
+            ctl.Recv([msg, MPI.INT64_T], status.Get_source(), TO_GG)
             kind, arg, worker = int(msg[0]), int(msg[1]), status.Get_source()
             if kind == REQUEST:
                 started = gg.request(worker)
             elif kind == DONE:
                 started = gg.done(worker, arg)
-            elif kind == CLOSE:
+            elif kind in (CLOSE, PAUSE):
                 started = gg.close(worker)
+                if kind == PAUSE:
+                    pausing.add(worker)
             else:
                 raise CollectiveError(f"group generator: unknown message kind {kind} from rank {worker}")
             for group in started:
                 for m in group.members:
-                    out = np.zeros(4 + gg.group_size, np.int64)
-                    out[:4] = NOTIFY, group.gid, m in group.served, len(group.members)
-                    out[4:4 + len(group.members)] = group.members
-                    sends.append((ctl.Isend([out, MPI.INT64_T], m, TO_WORKER), out))
-            sends = [s for s in sends if not s[0].Test()]
-        for w in range(gg.n):
-            out = np.zeros(4 + gg.group_size, np.int64)
-            out[0] = SHUTDOWN
-            sends.append((ctl.Isend([out, MPI.INT64_T], w, TO_WORKER), out))
-        MPI.Request.Waitall([r for r, _ in sends])
+                    self._send(m, NOTIFY, group.gid, m in group.served, group.members)
+            if gg.finished:
+                if pausing and len(pausing) != gg.n:
+                    raise CollectiveError(f"group generator: ranks {sorted(pausing)} called settle() while the "
+                                          "others called close()")
+                for w in range(gg.n):
+                    self._send(w, QUIET if pausing else SHUTDOWN)
+                if not pausing:
+                    break
+                gg.reopen()
+                pausing.clear()
+            self.sends = [s for s in self.sends if not s[0].Test()]
+        MPI.Request.Waitall([r for r, _ in self.sends])
+
+    def _send(self, worker: int, kind: int, gid: int = 0, serves: bool = False, members: tuple[int, ...] = ()) -> None:
+        """Start sending a message to ``worker``; it is completed later (GG never waits for a worker)."""
+        out = np.zeros(4 + self.gg.group_size, np.int64)
+        out[:4] = kind, gid, serves, len(members)
+        out[4:4 + len(members)] = members
+        self.sends.append((self.ctl.Isend([out, MPI.INT64_T], worker, TO_WORKER), out))
 
 
 class _Trace:

@@ -4,6 +4,8 @@ configuration errors raised on every rank."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -25,6 +27,16 @@ CONFIGS = {
     "dpsgd-exponential-metropolis": ("dpsgd", {"topology": "exponential", "weights": "metropolis"}),
     "lsgd-pairs": ("lsgd", {"layout": 2, "algorithm": "ring"}),
     "lsgd-singletons": ("lsgd", {"layout": 1, "algorithm": "butterfly"}),
+    "grsgd-synchronous": ("grsgd", {"max_lead": 0}),
+    "prague-static-everyone": ("prague", {"policy": "static", "group_size": 4}),
+}
+
+#: Asynchronous configurations: workers may be at different steps at any moment.
+ASYNC_CONFIGS = {
+    "adpsgd": ("adpsgd", {}),
+    "grsgd": ("grsgd", {"max_lead": 2}),
+    "prague-smart": ("prague", {"policy": "smart"}),
+    "prague-random-local2": ("prague", {"policy": "random", "local_steps": 2}),
 }
 
 
@@ -44,6 +56,8 @@ def test_converges_to_the_optimum(config: str, size: int) -> None:
     """Constant lr 0.5, then a geometric decay (decentralized models only agree as lr -> 0)."""
     comm = comm_of_size(size)
     name, options = CONFIGS[config]
+    if "group_size" in options:
+        options = {**options, "group_size": min(options["group_size"], comm.Get_size())}
     a, optimum = targets(comm)
     x = np.full(DIM, 3.0 * comm.Get_rank())  # different starts; broadcast_init makes them equal
     opt = SGD(x, lr=0.5, momentum=0.0)
@@ -55,6 +69,36 @@ def test_converges_to_the_optimum(config: str, size: int) -> None:
         err = float(np.max(np.abs(x - optimum)))
         assert algo.iterations == 90
     assert all_ok(MPI.COMM_WORLD, err < 1e-6), f"{config} on {size} ranks: max error {err:.3g}"
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("config", list(ASYNC_CONFIGS))
+def test_asynchronous_algorithms_converge_to_the_optimum(config: str, size: int) -> None:
+    """Workers from different random starts minimise the same f(x) = 0.5 ||x - a||^2
+    without a global clock (random sleeps make their speeds differ): each ends at a.
+
+    With different targets per worker the point asynchronous SGD reaches depends on
+    how the workers' steps happened to interleave (a gradient taken just before an
+    averaging on one worker and just after it on another moves the mean by lr
+    times their disagreement), so it is only near the optimum; that case is
+    covered by training on real data (test_train.py), the averaging itself by
+    the sum-preservation checks (async_check.py)."""
+    comm = comm_of_size(size)
+    name, options = ASYNC_CONFIGS[config]
+    rng = np.random.default_rng(comm.Get_rank())
+    a = np.sin(np.arange(DIM)) * 3
+    x = rng.standard_normal(DIM) * 5
+    opt = SGD(x, lr=0.3, momentum=0.0)
+    with algorithms.create(name, x, opt, comm, broadcast_init=False, **options) as algo:
+        for t in range(120):
+            time.sleep(rng.uniform(0, 5e-4))
+            if t >= 60:
+                opt.lr *= 0.9
+            algo.step(x - a)
+            if t == 59:
+                algo.settle()
+    err = float(np.max(np.abs(x - a)))
+    assert all_ok(MPI.COMM_WORLD, err < 1e-6 and algo.iterations == 120), f"{config} on {size} ranks: {err=:.3g}"
 
 
 @pytest.mark.parametrize("config", ["allreduce-ring", "dpsgd-ring", "lsgd-pairs"])
@@ -327,7 +371,7 @@ def test_bad_topology_raises_on_every_rank(options: dict, match: str) -> None:
 
 
 def test_registry_and_factory() -> None:
-    assert set(algorithms.ALGORITHMS) == {"allreduce", "dpsgd", "lsgd"}
+    assert set(algorithms.ALGORITHMS) == {"allreduce", "dpsgd", "lsgd", "adpsgd", "grsgd", "prague"}
     assert all(cls.name == name for name, cls in algorithms.ALGORITHMS.items())
     with pytest.raises(ValueError, match="unknown algorithm 'gossip'"):
         algorithms.create("gossip", np.zeros(2), SGD(np.zeros(2), lr=0.1))

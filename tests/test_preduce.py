@@ -90,6 +90,29 @@ def test_drafts_are_served_in_close(policy: str) -> None:
     assert all_ok(comm, pr.stats.calls == (0 if r == n - 1 else 20))
 
 
+@pytest.mark.parametrize("policy", ["random", "smart", "static"])
+def test_settle_pauses_with_nothing_in_flight(policy: str) -> None:
+    """Workers average different numbers of times, settle, then average on: after settle()
+    the buffers are stable (the sum is kept and nothing changes them), and the service
+    serves requests again."""
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    x = np.full(4, float(r + 1) ** 2)
+    total = comm.allreduce(float(x.sum()))
+    with PReduce(x, comm, group_size=min(2, n), policy=policy) as pr:
+        for _ in range(3 if policy == "static" else 2 + 3 * r):
+            pr.average()
+        pr.settle()
+        settled = x.copy()
+        comm.Barrier()
+        time.sleep(0.05)
+        unchanged = settled.tobytes() == x.tobytes()
+        kept = abs(comm.allreduce(float(x.sum())) - total) <= 1e-9 * total
+        for _ in range(3):
+            pr.average()
+    assert all_ok(comm, unchanged and kept and abs(comm.allreduce(float(x.sum())) - total) <= 1e-9 * total)
+
+
 def test_smart_never_drafts_a_computing_worker() -> None:
     """A slow rank is not waited for: every group a worker runs while averaging serves its request."""
     comm = MPI.COMM_WORLD

@@ -1,0 +1,111 @@
+"""Prague: local SGD steps, then a partial all-reduce (P-Reduce) with a group from the group generator.
+
+Luo, He, Zhuo & Qian, "Prague: High-Performance Heterogeneity-Aware
+Asynchronous Decentralized Training", ASPLOS 2020; seed 001, section 5.1. A
+step of worker i:
+
+1. apply the local optimizer with the caller's gradient;
+2. every ``local_steps``-th step, average the parameters with a group of
+   ``group_size`` workers handed out by the group generator
+   (:class:`collectives.PReduce`; its module says how groups form, how the
+   lock service keeps them from overlapping and why it cannot deadlock).
+
+Averaging within a group preserves the sum of the workers' parameters, so with
+learning rate 0 the sum stays constant and the workers reach consensus. There
+is no global barrier: a worker waits only for its group to form and run.
+
+Policies (``policy``): ``smart`` (the default) groups only workers that are
+waiting for a group, oldest request first, so fast workers average with fast
+ones and a slow worker never holds a fast one up — Prague's answer to
+heterogeneity; ``random`` draws the requester's partners at random (a slow
+worker drafted into a group makes its partners wait for it); ``static`` runs
+a fixed conflict-free schedule that rotates every ``period`` averagings with
+no service round trip, but every worker must then average the same number of
+times, as in a synchronous algorithm (:attr:`Prague.asynchronous` is false).
+
+Where the service runs: a thread on rank 0 of the workers (no extra rank).
+
+Cost of an averaging among k workers of an m-byte model: two control
+messages (request, notification) plus a ring all-reduce among the group,
+2 (k-1) alpha + 2 m (k-1)/k beta + m (k-1)/k gamma; each member sends
+2 m (k-1)/k bytes. Between averagings nothing is in flight;
+:meth:`Prague.settle` pauses the service until every worker is there
+(:meth:`collectives.PReduce.settle`), serving the groups still queued.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional
+
+from mpi4py import MPI
+
+from collectives import ArgumentError, PReduce, PReduceStats
+from collectives.preduce import check_options
+
+from .base import Algorithm
+
+
+class Prague(Algorithm):
+    """Local steps, then P-Reduce in groups from the group generator (module docstring).
+
+    Args:
+        model, optimizer, comm, broadcast_init, validate: see :class:`~algorithms.base.Algorithm`.
+        group_size: workers per group (default: pairs; 1 on a single rank).
+        policy: "smart", "random" or "static" (:data:`collectives.POLICIES`).
+        local_steps: optimizer steps between averagings (>= 1).
+        period: static only: averagings a partition is kept before it rotates.
+        seed: seed of the group generator's draws / the static schedule.
+        algorithm: the all-reduce run within a group (:data:`collectives.GROUP_KERNELS`).
+
+    Attributes:
+        preduce: the :class:`collectives.PReduce` on the flat parameters.
+    """
+
+    name = "prague"
+
+    def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
+                 group_size: Optional[int] = None, policy: str = "smart", local_steps: int = 1, period: int = 1,
+                 seed: int = 0, algorithm: str = "ring", **common: Any) -> None:
+        self.options = {"group_size": group_size, "policy": policy, "period": period, "seed": seed,
+                        "algorithm": algorithm}
+        self.local_steps = local_steps
+        self.preduce: Optional[PReduce] = None
+        super().__init__(model, optimizer, comm, **common)
+
+    def _configure(self) -> Hashable:
+        if self.options["group_size"] is None:
+            self.options["group_size"] = min(2, self.size)
+        check_options(self.size, service_rank=0, **self.options)
+        if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) or self.local_steps < 1:
+            raise ArgumentError(f"local_steps must be an integer >= 1, got {self.local_steps!r}")
+        self.asynchronous = self.options["policy"] != "static"
+        return (tuple(sorted(self.options.items())), self.local_steps)
+
+    def _start(self) -> None:
+        # The options were checked in _configure and across ranks by the set-up check.
+        self.preduce = PReduce(self.flat.params, self.comm, validate=False, **self.options)
+
+    @property
+    def stats(self) -> PReduceStats:
+        """What this worker's averagings cost it (calls, groups, drafts, wait and reduce time)."""
+        return self.preduce.stats
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        if (self.iterations + 1) % self.local_steps == 0:
+            with self._communicating():
+                self.preduce.average()
+
+    def settle(self) -> None:
+        """Pause until every worker settles, serving the groups still queued (collective)."""
+        super().settle()
+        with self._communicating():
+            self.preduce.settle()
+
+    def close(self) -> None:
+        """Serve the remaining drafts and stop the group generator (collective)."""
+        if self.closed:
+            return
+        with self._communicating():
+            self.preduce.close()
+        super().close()

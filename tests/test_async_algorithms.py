@@ -1,0 +1,198 @@
+"""Asynchronous training algorithms (AD-PSGD, GR-SGD, Prague): atomicity under random
+delays on 1..8 ranks, settle(), the byte counts, GR-SGD's lead bound, half precision,
+and configuration errors raised on every rank."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import algorithms
+from algorithms import SGD, topology
+from async_check import CONFIGS, check
+from collectives import ArgumentError
+from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
+
+pytestmark = pytest.mark.mpi
+
+DIM = 12
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_sum_is_preserved_and_workers_agree(size: int) -> None:
+    """Learning rate 0, random per-rank speeds: every configuration keeps the sum of the
+    workers' parameters (after a settle() halfway and after close()) and reaches consensus."""
+    comm = comm_of_size(size)
+    failures = []
+    for name, options in CONFIGS:
+        failures += check(comm, name, options, steps=200)[0]
+    failures = gather_failures(comm, failures)
+    assert all_ok(MPI.COMM_WORLD, not failures), "\n".join(failures)
+
+
+@pytest.mark.parametrize("size", [5, 6, 7, 8])
+def test_sum_is_preserved_and_workers_agree_large_communicators(size: int) -> None:
+    """5..8 ranks, under their own mpiexec: thousands of exchanges per configuration."""
+    proc = on_rank0_quietly(mpiexec, size, ["tests/async_check.py", "--steps", "400"], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    counts = list(json.loads(proc.stdout.strip().splitlines()[-1].split(" ", 1)[1]).values())
+    assert min(counts[:3]) >= 1000, proc.stdout  # AD-PSGD and GR-SGD: thousands of pairwise exchanges
+
+
+def test_asynchronous_flags() -> None:
+    comm = MPI.COMM_WORLD
+    flags = {}
+    for name, options in [("adpsgd", {}), ("grsgd", {}), ("prague", {}), ("prague", {"policy": "static"}),
+                          ("dpsgd", {}), ("allreduce", {"algorithm": "ring"})]:
+        x = np.zeros(DIM)
+        with algorithms.create(name, x, SGD(x, lr=0.1), comm, **options) as algo:
+            flags[f"{name} {options}"] = algo.asynchronous
+    assert flags == {"adpsgd {}": True, "grsgd {}": True, "prague {}": True, "prague {'policy': 'static'}": False,
+                     "dpsgd {}": False, "allreduce {'algorithm': 'ring'}": False}
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_adpsgd_sides_bytes_and_pairwise_identity(size: int) -> None:
+    """Even ranks are active; each averaging costs each side one model; an active worker's
+    model equals its partner's right after an averaging with lr 0 (bitwise)."""
+    comm = comm_of_size(size)
+    n, r = comm.Get_size(), comm.Get_rank()
+    x = np.random.default_rng(r).standard_normal(DIM)
+    algo = algorithms.ADPSGD(x, SGD(x, lr=0.0), comm, broadcast_init=False)
+    for _ in range(30):
+        algo.step(np.zeros(DIM))
+    algo.settle()
+    expected_topology = "ring" if n % 2 == 0 else "bipartite"
+    ok = (algo.active == (r % 2 == 0) and algo.topology.name.startswith(expected_topology)
+          and all(p % 2 != r % 2 for p in algo.peers)
+          and algo.bytes_sent == algo.averagings * x.nbytes)
+    active_total = comm.allreduce(algo.averagings if algo.active else 0)
+    passive_total = comm.allreduce(0 if algo.active else algo.averagings)
+    ok &= active_total == passive_total == 30 * ((n + 1) // 2 if n > 1 else 0)
+    # One more averaging from a settled state: the pair ends bitwise identical.
+    algo.step(np.zeros(DIM))
+    algo.settle()
+    if algo.active:
+        for peer in algo.peers:
+            comm.send(x.tobytes() if peer == algo.last_peer else None, dest=peer, tag=5)
+    else:
+        got = [m for m in (comm.recv(source=s, tag=5) for s in algo.peers) if m is not None]
+        ok &= not got or x.tobytes() in got  # equal to the last active worker it averaged with
+    algo.close()
+    assert all_ok(MPI.COMM_WORLD, ok), (r, algo.active, algo.peers, algo.bytes_sent, algo.averagings)
+
+
+def test_adpsgd_refuses_a_graph_that_is_not_bipartite() -> None:
+    comm = comm_of_size(3)
+    if comm.Get_size() != 3:
+        pytest.skip("needs three ranks")
+    x = np.zeros(DIM)
+    with pytest.raises(ArgumentError, match="bipartite") as info:
+        algorithms.ADPSGD(x, SGD(x, lr=0.1), comm, topology="ring")
+    assert len(set(comm.allgather(str(info.value)))) == 1
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_grsgd_synchronous_limit_is_a_dpsgd_ring_step(size: int) -> None:
+    """max_lead=0 and lr 0: every step is x <- W x with D-PSGD's uniform ring weights."""
+    comm = comm_of_size(size)
+    r = comm.Get_rank()
+    x = np.random.default_rng(r).standard_normal(DIM)
+    y = x.copy()
+    gossip = algorithms.GRSGD(x, SGD(x, lr=0.0), comm, max_lead=0, broadcast_init=False)
+    dpsgd = algorithms.DPSGD(y, SGD(y, lr=0.0), comm, topology="ring", broadcast_init=False)
+    for _ in range(5):
+        gossip.step(np.zeros(DIM))
+        dpsgd.step(np.zeros(DIM))
+    ok = np.allclose(x, y, rtol=0, atol=1e-12) and all(v == 5 for v in gossip.exchanges.values())
+    ok &= gossip.bytes_sent == 5 * len(gossip.peers) * x.nbytes
+    gossip.close()
+    assert all_ok(MPI.COMM_WORLD, ok), (x, y)
+
+
+@pytest.mark.parametrize("lead", [1, 3])
+def test_grsgd_lead_is_bounded_by_a_slow_neighbor(lead: int) -> None:
+    """Rank 0 is slow: no worker ever gets more than max_lead steps ahead of the exchanges
+    it completed with a neighbor, and the slow rank's neighbors do use that slack."""
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    if n < 2:
+        pytest.skip("needs two ranks")
+    x = np.zeros(DIM)
+    algo = algorithms.GRSGD(x, SGD(x, lr=0.0), comm, max_lead=lead)
+    worst = 0
+    for k in range(1, 31):
+        time.sleep(0.01 if r == 0 else 0.0)
+        algo.step(np.zeros(DIM))
+        worst = max(worst, max(k - done for done in algo.exchanges.values()))
+    algo.close()
+    neighbor_of_slow = 0 in algo.peers
+    assert all_ok(comm, worst <= lead and (not neighbor_of_slow or worst == lead)), (r, worst, lead)
+
+
+def test_prague_averages_every_local_steps_and_settles() -> None:
+    comm = MPI.COMM_WORLD
+    x = np.full(DIM, float(comm.Get_rank()))
+    total = comm.allreduce(float(x.sum()))
+    algo = algorithms.Prague(x, SGD(x, lr=0.0), comm, local_steps=3, policy="random", broadcast_init=False)
+    for _ in range(12):
+        algo.step(np.zeros(DIM))
+    algo.settle()
+    settled = comm.allreduce(float(x.sum()))
+    for _ in range(3):
+        algo.step(np.zeros(DIM))
+    algo.close()
+    ok = algo.stats.calls == 5 and abs(settled - total) < 1e-9 and abs(comm.allreduce(float(x.sum())) - total) < 1e-9
+    assert all_ok(comm, ok), (algo.stats, settled, total)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["adpsgd", "grsgd", "prague"])
+def test_half_precision_torch_models(name: str, dtype: str) -> None:
+    """Half-precision models train (averaging in float32, rounded once): the mean reaches the optimum."""
+    torch = pytest.importorskip("torch")
+    comm = MPI.COMM_WORLD
+    a = np.sin(np.arange(DIM)) * 2
+    model = torch.nn.Module()
+    model.x = torch.nn.Parameter(torch.zeros(DIM, dtype=getattr(torch, dtype)))
+    target = torch.tensor(a, dtype=model.x.dtype)
+    with algorithms.create(name, model, torch.optim.SGD(model.parameters(), lr=0.25), comm) as algo:
+        for _ in range(40):
+            algo.zero_grad()
+            (0.5 * (model.x - target).pow(2).sum()).backward()
+            algo.step()
+    X = np.array(comm.allgather(model.x.detach().float().numpy()))
+    tolerance = {"bfloat16": 0.03, "float16": 0.005}[dtype]
+    assert all_ok(comm, np.allclose(X, a, rtol=0, atol=tolerance)), X
+
+
+@pytest.mark.parametrize("name,options,match", [
+    ("grsgd", {"max_lead": -1}, "max_lead must be an integer >= 0"),
+    ("prague", {"local_steps": 0}, "local_steps must be an integer >= 1"),
+    ("prague", {"policy": "fastest"}, "unknown policy 'fastest'"),
+    ("adpsgd", {"topology": topology.ring(9)}, "has 9 ranks"),
+])
+def test_bad_options_raise_on_every_rank(name: str, options: dict, match: str) -> None:
+    comm = MPI.COMM_WORLD
+    x = np.zeros(DIM)
+    with pytest.raises(ArgumentError, match=match) as info:
+        algorithms.create(name, x, SGD(x, lr=0.1), comm, **options)
+    assert all_ok(comm, len(set(comm.allgather(str(info.value)))) == 1)
+
+
+def test_steps_after_close_are_refused() -> None:
+    comm = MPI.COMM_WORLD
+    for name in ("adpsgd", "grsgd", "prague"):
+        x = np.zeros(DIM)
+        algo = algorithms.create(name, x, SGD(x, lr=0.1), comm)
+        algo.step(np.ones(DIM))
+        algo.close()
+        algo.close()  # idempotent
+        with pytest.raises(RuntimeError, match="closed"):
+            algo.step(np.ones(DIM))
+        with pytest.raises(RuntimeError, match="closed"):
+            algo.settle()
