@@ -20,9 +20,10 @@ name            class                  communication per step
                                        group from the group generator
 =============== ====================== ==============================================
 
-The asynchronous ones (:attr:`Algorithm.asynchronous`) never wait for every
-worker; :meth:`Algorithm.settle` finishes what is in flight, e.g. before the
-models are evaluated.
+The asynchronous ones never wait for every worker; in AD-PSGD and Prague
+(random or smart groups) workers may take different numbers of steps
+(:attr:`Algorithm.uneven_steps`). :meth:`Algorithm.settle` finishes what is in
+flight, e.g. before the models are evaluated.
 
 :func:`create` builds one by name, e.g. for a command line::
 

@@ -97,7 +97,7 @@ class ADPSGD(Algorithm):
     """
 
     name = "adpsgd"
-    asynchronous = True
+    uneven_steps = True
 
     def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
                  topology: Union[None, str, Topology] = None, seed: int = 0, **common: Any) -> None:
@@ -224,6 +224,7 @@ class _Server:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"adpsgd-server-rank{algo.rank}", daemon=True)
+        p2p.prompt_threads()
         self._thread.start()
 
     def _run(self) -> None:

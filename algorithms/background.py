@@ -1,7 +1,7 @@
 """A service thread that runs communication while the caller computes.
 
 Algorithms that overlap communication with computation (LSGD's inter-group
-all-reduce; later the asynchronous ones) hand a task to a :class:`Background`
+all-reduce, AD-PSGD's averagings) hand a task to a :class:`Background`
 and collect its result on a later step. Tasks run one at a time, in the order
 submitted, on one thread, so a task may own a communicator that no other
 thread uses (MPI must provide ``MPI_THREAD_MULTIPLE``, mpi4py's default).
@@ -15,7 +15,7 @@ import queue
 import threading
 from typing import Any, Callable
 
-from collectives.p2p import bytes_sent
+from collectives.p2p import bytes_sent, prompt_threads
 
 _STOP = object()
 
@@ -27,6 +27,7 @@ class Background:
         self._tasks: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        prompt_threads()
         self._thread.start()
         self.pending = 0
 

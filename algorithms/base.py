@@ -36,15 +36,18 @@ Counters, per worker: :attr:`~Algorithm.iterations`;
 ring all-reduce); :attr:`~Algorithm.comm_wait_s`, the seconds steps spent in
 communication or waiting for it.
 
-Synchronous and asynchronous algorithms: in a synchronous one every step of
-every worker takes part in the same collective, so all workers take the same
-number of steps. In an asynchronous one (:attr:`Algorithm.asynchronous`) a
-step never waits for every worker, and a fast worker may take more steps than
-a slow one; a training loop should then count the steps of all workers
-together (``mpidl train`` does). Either kind may keep communication in flight
-between steps; :meth:`Algorithm.settle` (collective) finishes it, after which
-every worker's parameters stay as they are until its next step — the moment
-to evaluate or save the models.
+Step counts: in a synchronous algorithm every step of every worker takes part
+in the same collective, so all workers take the same number of steps; GR-SGD
+bounds how far a worker runs ahead of its neighbors, and also needs every
+worker to take the same number of steps between two :meth:`~Algorithm.settle`
+calls. In AD-PSGD and Prague (random or smart groups) no step waits for a
+given worker's progress, and a fast worker may take more steps than a slow
+one (:attr:`Algorithm.uneven_steps`): a training loop should then count the
+steps of all workers together (``mpidl train`` does, :mod:`mpidl.pacing`).
+Any algorithm may keep communication in flight between steps;
+:meth:`Algorithm.settle` (collective) finishes it, after which every worker's
+parameters stay as they are until its next step — the moment to evaluate or
+save the models.
 
 Writing a new algorithm: subclass :class:`Algorithm`, set ``name``, and
 implement :meth:`~Algorithm._step`; override :meth:`~Algorithm._configure`
@@ -98,8 +101,8 @@ class Algorithm(ABC):
 
     #: The algorithm's name in :data:`algorithms.ALGORITHMS`.
     name: ClassVar[str]
-    #: Whether workers may take different numbers of steps (module docstring).
-    asynchronous: bool = False
+    #: Whether workers may take different numbers of steps between settle() calls (module docstring).
+    uneven_steps: bool = False
 
     def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
                  broadcast_init: bool = True, validate: Optional[bool] = None) -> None:

@@ -39,6 +39,12 @@ worker delays only its neighbors, and each only by what exceeds the bound
 ``max_lead=0`` is the synchronous limit: every step waits for both
 exchanges it started, and the update is a D-PSGD step on a ring.
 
+Every worker must take the same number of steps between two ``settle()``
+calls (as in a synchronous algorithm; :attr:`GRSGD.uneven_steps` is false): a
+worker waiting for an exchange with a neighbor that has stopped stepping
+would wait forever. With equal counts that cannot happen: the exchange a
+worker waits for at step k is one its neighbor started by its own step k.
+
 :meth:`GRSGD.settle` (collective): neighbors tell each other how many
 exchanges they have started; the one behind starts the missing one (at most
 one: a worker starts exchange e + 1 only after applying e, which needed its
@@ -89,7 +95,6 @@ class GRSGD(Algorithm):
     """
 
     name = "grsgd"
-    asynchronous = True
 
     def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *, max_lead: int = 2,
                  **common: Any) -> None:

@@ -21,7 +21,8 @@ heterogeneity; ``random`` draws the requester's partners at random (a slow
 worker drafted into a group makes its partners wait for it); ``static`` runs
 a fixed conflict-free schedule that rotates every ``period`` averagings with
 no service round trip, but every worker must then average the same number of
-times, as in a synchronous algorithm (:attr:`Prague.asynchronous` is false).
+times between two :meth:`Prague.settle` calls, as in a synchronous algorithm
+(:attr:`Prague.uneven_steps` is false; it is true for the other policies).
 
 Where the service runs: a thread on rank 0 of the workers (no extra rank).
 
@@ -78,7 +79,7 @@ class Prague(Algorithm):
         check_options(self.size, service_rank=0, **self.options)
         if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) or self.local_steps < 1:
             raise ArgumentError(f"local_steps must be an integer >= 1, got {self.local_steps!r}")
-        self.asynchronous = self.options["policy"] != "static"
+        self.uneven_steps = self.options["policy"] != "static"
         return (tuple(sorted(self.options.items())), self.local_steps)
 
     def _start(self) -> None:

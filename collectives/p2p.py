@@ -17,7 +17,11 @@ touched until it has completed.
 Threads that wait for a peer while the process computes (the asynchronous
 algorithms' service threads) poll instead of blocking: a blocking MPI call
 busy-waits and would take a core from the computation. :class:`Backoff`
-spaces their polls.
+spaces their polls. Such a thread also needs the GIL promptly when a message
+comes, while the main thread may be computing in Python: the interpreter
+hands the GIL over only every ``sys.getswitchinterval()`` seconds (5 ms by
+default), which would add up to that to every reply; :func:`prompt_threads`
+lowers the interval, and every service thread calls it when it starts.
 
 Every blocking call marks the thread as waiting on its peers for the stall
 inspector (:mod:`collectives.watchdog`). Every payload byte sent through this
@@ -31,6 +35,7 @@ are exact.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any, Iterable, Optional, Protocol, Sequence
@@ -169,6 +174,16 @@ def waitall(pending: Iterable[Pending], comm: Optional[MPI.Comm] = None, peers: 
                 p.Wait()
     finally:
         s.since = 0.0
+
+
+#: Longest GIL switch interval a process with service threads keeps (seconds).
+SWITCH_INTERVAL = 5e-4
+
+
+def prompt_threads() -> None:
+    """Let threads take the GIL at least every :data:`SWITCH_INTERVAL` seconds (module docstring)."""
+    if sys.getswitchinterval() > SWITCH_INTERVAL:
+        sys.setswitchinterval(SWITCH_INTERVAL)
 
 
 def test(pending: Sequence[Pending]) -> bool:

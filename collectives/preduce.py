@@ -217,6 +217,7 @@ class PReduce:
                 service = _Service(self._ctl, gg, self._trace)
                 self._trace = None  # the service owns it now
                 self._thread = threading.Thread(target=service.run, name="mpidl-group-generator", daemon=True)
+                p2p.prompt_threads()
                 self._thread.start()
                 self._stalled = gg.stalled
                 watchdog.add_reporter(self._stalled)

@@ -171,8 +171,11 @@ def _raise(ctx: Context, what: str, problem: Optional[ArgumentError], signature:
     rows = ctx.comm.allgather((str(problem), None) if problem is not None else (None, tuple(signature)))
     bad = [r for r, (message, _) in enumerate(rows) if message is not None]
     if bad:
-        detail = "; ".join(f"rank {r}: {rows[r][0]}" for r in bad)
-        raise ArgumentError(f"{what}: invalid arguments on rank(s) {bad}: {detail} (no data moved)", bad)
+        by_message: dict[str, list[int]] = {}
+        for r in bad:
+            by_message.setdefault(rows[r][0], []).append(r)
+        detail = "; ".join(f"rank(s) {ranks}: {message}" for message, ranks in by_message.items())
+        raise ArgumentError(f"{what}: invalid arguments on {detail} (no data moved)", bad)
     table = np.array([sig for _, sig in rows], dtype=np.int64)
     diffs = []
     for f in range(table.shape[1]):

@@ -1,4 +1,4 @@
-"""The ``mpidl`` command: ``mpidl info | bench | train``.
+"""The ``mpidl`` command: ``mpidl info | bench | train | compare``.
 
 Run it under the MPI launcher, e.g. ``mpiexec -n 2 mpidl info``; rank 0
 prints, every rank takes part. An uncaught exception on any rank aborts the
@@ -14,7 +14,7 @@ from typing import IO, NoReturn, Optional, Sequence
 
 from mpi4py import MPI
 
-from . import bench, info, train
+from . import bench, compare, info, train
 from .runtime import init
 
 #: Stall limits of the commands, in seconds (MPIDL_STALL_WARN / MPIDL_STALL_ABORT override).
@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description=train.__doc__.split("\n\n")[0])
     train.add_arguments(p)
     p.set_defaults(run=train.main)
+    p = sub.add_parser("compare", help="compare mpidl train runs (JSON) by their time to a target accuracy",
+                       description=compare.__doc__.split("\n\n")[0])
+    compare.add_arguments(p)
+    p.set_defaults(run=compare.main)
     return parser
 
 

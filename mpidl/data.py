@@ -25,15 +25,19 @@ takes the same number of steps per epoch, ceil(largest shard / batch size)
 (synchronous algorithms need equal counts); its shuffled shard is cut into
 that many consecutive batches of nearly equal size (at most the batch size,
 differing by at most one), so every sample is used once per epoch.
+Asynchronous training lets fast workers take more steps than that
+(:mod:`mpidl.pacing`): a worker that has used its shard goes on with another
+sweep over it, shuffled anew (:func:`batch_stream`).
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -193,8 +197,20 @@ def steps_per_epoch(n: int, size: int, batch_size: int) -> int:
     return steps
 
 
-def epoch_batches(indices: np.ndarray, steps: int, seed: int, epoch: int, rank: int) -> list[np.ndarray]:
+def epoch_batches(indices: np.ndarray, steps: int, seed: int, epoch: int, rank: int,
+                  sweep: int = 0) -> list[np.ndarray]:
     """Worker ``rank``'s batches in ``epoch``: its shard ``indices`` shuffled by (seed, epoch,
-    rank) and cut into ``steps`` consecutive batches of nearly equal size."""
-    order = indices[np.random.default_rng([seed, _EPOCH_STREAM, epoch, rank]).permutation(len(indices))]
+    rank) and cut into ``steps`` consecutive batches of nearly equal size. ``sweep`` > 0
+    gives a further pass over the shard in the same epoch, shuffled by (seed, epoch,
+    rank, sweep)."""
+    key = [seed, _EPOCH_STREAM, epoch, rank] + ([sweep] if sweep else [])
+    order = indices[np.random.default_rng(key).permutation(len(indices))]
     return np.array_split(order, steps)
+
+
+def batch_stream(indices: np.ndarray, steps: int, seed: int, epoch: int, rank: int) -> Iterator[np.ndarray]:
+    """Worker ``rank``'s batches in ``epoch`` when it may take any number of steps
+    (asynchronous training): :func:`epoch_batches`, then further sweeps over its
+    shard, each shuffled anew, for as long as it asks."""
+    for sweep in itertools.count():
+        yield from epoch_batches(indices, steps, seed, epoch, rank, sweep)

@@ -23,7 +23,10 @@ key                              value
                                  worker's
 ``epoch_s``                      this epoch's training wall time, the slowest worker's
 ``eval_s``                       this evaluation's wall time (rank 0's)
-``train_loss``                   mean over workers of the mean minibatch loss of the epoch
+``train_loss``                   mean minibatch loss of the epoch, over all workers' steps
+``steps``                        steps all workers took in the epoch (n x steps per epoch for
+                                 most algorithms; the budget plus a few where workers step
+                                 at their own speeds, see :mod:`mpidl.pacing`)
 ``test_loss``                    test loss of the averaged model
 ``test_acc``                     test accuracy of the averaged model
 ``test_acc_worst``               lowest test accuracy of a worker's own model
@@ -33,7 +36,8 @@ key                              value
 ``bytes_total``                  bytes sent by all workers together
 ``workers``                      per worker, lists indexed by rank: ``test_acc``,
                                  ``consensus`` (||x_i - x_bar||^2 / ||x_bar||^2),
-                                 ``train_loss``, ``iterations``, ``bytes_sent``,
+                                 ``train_loss`` (null if it took no step this epoch),
+                                 ``iterations``, ``bytes_sent``,
                                  ``comm_wait_s`` (time its steps spent communicating or
                                  waiting), ``time_s`` (its training wall time)
 ================================ =============================================================
@@ -57,20 +61,21 @@ from .models import MLP
 
 
 def measure(epoch: int, algo: Any, net: MLP, x_test: Any, y_test: Any, comm: MPI.Comm, *,
-            train_loss: float, time_s: float, epoch_s: float) -> dict[str, Any]:
+            loss_sum: float, steps: int, time_s: float, epoch_s: float) -> dict[str, Any]:
     """Evaluate after ``epoch`` (collective) and return its record (module docstring) on every rank.
 
-    ``train_loss``, ``time_s`` and ``epoch_s`` are this worker's: its mean
-    minibatch loss this epoch, its training time so far and this epoch's.
+    ``loss_sum``, ``steps``, ``time_s`` and ``epoch_s`` are this worker's: the sum
+    of its minibatch losses this epoch and its steps, its training time so
+    far and this epoch's.
     """
     t0 = time.perf_counter()
     average = collectives.allreduce(net.copy(algo.params), comm, "avg", "ring")
     test_loss, test_acc = net.evaluate(average, x_test, y_test)
     _, own_acc = net.evaluate(algo.params, x_test, y_test)
     distance, norm = net.squared_norms(algo.params, average)
-    mine = (own_acc, distance / norm if norm else 0.0, train_loss, algo.iterations, algo.bytes_sent,
+    mine = (own_acc, distance / norm if norm else 0.0, loss_sum, steps, algo.iterations, algo.bytes_sent,
             algo.comm_wait_s, time_s, epoch_s)
-    acc, consensus, loss, iterations, sent, wait, times, epoch_times = map(list, zip(*comm.allgather(mine)))
+    acc, consensus, losses, taken, iterations, sent, wait, times, epoch_times = map(list, zip(*comm.allgather(mine)))
     n = len(acc)
     per_step = [b / max(i, 1) for b, i in zip(sent, iterations)]
     return {
@@ -78,7 +83,8 @@ def measure(epoch: int, algo: Any, net: MLP, x_test: Any, y_test: Any, comm: MPI
         "time_s": max(times),
         "epoch_s": max(epoch_times),
         "eval_s": time.perf_counter() - t0,
-        "train_loss": sum(loss) / n,
+        "train_loss": sum(losses) / max(sum(taken), 1),
+        "steps": sum(taken),
         "test_loss": test_loss,
         "test_acc": test_acc,
         "test_acc_worst": min(acc),
@@ -87,7 +93,8 @@ def measure(epoch: int, algo: Any, net: MLP, x_test: Any, y_test: Any, comm: MPI
         "bytes_per_step_mean": sum(per_step) / n,
         "bytes_per_step_max": max(per_step),
         "bytes_total": sum(sent),
-        "workers": {"test_acc": acc, "consensus": consensus, "train_loss": loss, "iterations": iterations,
+        "workers": {"test_acc": acc, "consensus": consensus,
+                    "train_loss": [s / k if k else None for s, k in zip(losses, taken)], "iterations": iterations,
                     "bytes_sent": sent, "comm_wait_s": wait, "time_s": times},
     }
 

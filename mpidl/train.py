@@ -25,8 +25,9 @@ atomically). ``--resume`` restores them and continues with the next step;
 since an epoch's batches depend only on (seed, epoch, rank), the resumed run
 takes exactly the steps the uninterrupted run would have, and ends with the
 same parameters and metrics (times aside). Checkpoints hold the whole state
-of AllReduce-SGD and D-PSGD; LSGD keeps an all-reduce in flight between
-steps, and is refused.
+of AllReduce-SGD and D-PSGD; the other algorithms keep more between steps
+(LSGD an all-reduce in flight, the asynchronous ones exchange counts, random
+generators, the group generator's state), and are refused.
 
 Threads: each worker uses ``--threads`` threads for torch and for numpy's
 BLAS (default: the machine's cores divided by the ranks on it, at least 1),
@@ -51,13 +52,46 @@ import algorithms
 import collectives
 from algorithms.topology import TOPOLOGIES, WEIGHTS, Topology
 
-from . import __version__, checkpoint, data, metrics, models, plotting
+from . import __version__, checkpoint, data, metrics, models, pacing, plotting
 
 T = TypeVar("T")
 
 
 class UsageError(ValueError):
     """A bad ``mpidl train`` option or set-up (raised on every rank alike)."""
+
+
+def _positive(kind: Callable[[str], T]) -> Callable[[str], T]:
+    def parse(text: str) -> T:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -68,6 +102,7 @@ class AlgorithmOption:
     keyword: str
     help: str
     choices: Optional[Sequence[str]] = None
+    type: Callable[[str], Any] = str
 
     @property
     def dest(self) -> str:
@@ -88,6 +123,15 @@ ALGORITHM_OPTIONS = (
                     list(collectives.ALGORITHMS)),
     AlgorithmOption("--layout", "layout", "ranks per node, e.g. 2 or 3,1: LSGD's groups, and the nodes of the "
                     "topology-aware all-reduce algorithms (default: detected, or MPIDL_RANKS_PER_NODE)"),
+    AlgorithmOption("--max-lead", "max_lead", "steps a worker may run ahead of the exchanges it completed with a "
+                    "ring neighbor; 0 is synchronous (default 2)", type=_nonnegative_int),
+    AlgorithmOption("--group-size", "group_size", "workers per P-Reduce group (default 2)", type=_positive(int)),
+    AlgorithmOption("--policy", "policy", "how the group generator forms groups (default smart)",
+                    list(collectives.POLICIES)),
+    AlgorithmOption("--local-steps", "local_steps", "optimizer steps between averagings (default 1)",
+                    type=_positive(int)),
+    AlgorithmOption("--period", "period", "static policy: averagings a partition of the workers is kept "
+                    "(default 1)", type=_positive(int)),
 )
 
 _FLAG_OF = {opt.keyword: opt.dest for opt in ALGORITHM_OPTIONS}
@@ -143,29 +187,6 @@ def parse_slow(text: str) -> tuple[int, float]:
     return value
 
 
-def _positive(kind: Callable[[str], T]) -> Callable[[str], T]:
-    def parse(text: str) -> T:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
-        return value
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
 def _sizes(text: str) -> tuple[int, ...]:
     parse = _positive(int)
     return tuple(parse(s) for s in text.split(",")) if text else ()
@@ -178,7 +199,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--algorithm", default=defaults.algorithm, choices=list(algorithms.ALGORITHMS),
                    help=f"training algorithm (default {defaults.algorithm})")
     for opt in ALGORITHM_OPTIONS:
-        g.add_argument(opt.flag, default=None, choices=opt.choices,
+        g.add_argument(opt.flag, default=None, choices=opt.choices, type=opt.type,
                        help=f"{opt.help}; for {', '.join(opt.applies_to())}")
     g = p.add_argument_group("data and model")
     g.add_argument("--dataset", default=defaults.dataset, choices=list(data.DATASETS),
@@ -317,7 +338,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
     if config.checkpoint and config.algorithm not in CHECKPOINTABLE:
         raise UsageError(f"checkpoints hold parameters and optimizer state, the whole state of "
                          f"{' and '.join(CHECKPOINTABLE)}; {config.algorithm} keeps communication in flight "
-                         "between steps, which they cannot hold yet")
+                         "or state of its own between steps, which they cannot hold yet")
     dataset = data.load(config.dataset, config.data_dir, comm)
     sizes = (dataset.features, *config.hidden, dataset.classes)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -326,9 +347,13 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
     finally:
         local.Free()
     steps = data.steps_per_epoch(len(dataset.y_train), comm.Get_size(), config.batch_size)
-    algo = algorithms.create(config.algorithm, net.model, net.optimizer, comm, **config.options)
+    options = dict(config.options)
+    if "seed" in inspect.signature(algorithms.ALGORITHMS[config.algorithm]).parameters:
+        options["seed"] = config.seed  # the algorithm's own random choices (neighbors, groups)
+    algo = algorithms.create(config.algorithm, net.model, net.optimizer, comm, **options)
+    budget = pacing.StepBudget(comm, comm.Get_size() * steps) if algo.uneven_steps else None
     try:
-        run = _Run(config, dataset, net, algo, steps, threads)
+        run = _Run(config, dataset, net, algo, steps, threads, budget)
         if config.resume:
             _agreed(comm, run.restore)
         if comm.Get_rank() == 0:
@@ -337,6 +362,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
         params = net.to_numpy(algo.params)
     finally:
         algo.close()
+        if budget is not None:
+            budget.close()
     if comm.Get_rank() == 0 and run.records:
         last = run.records[-1]
         print(f"final: test accuracy {100 * last['test_acc']:.2f}% (averaged model), "
@@ -350,6 +377,13 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
 class _Run:
     """The training loop of one worker, and its state (what a checkpoint holds).
 
+    An epoch is ``steps`` steps on every worker; for an algorithm whose
+    workers may take different numbers of steps (``uneven_steps``: AD-PSGD,
+    Prague with random or smart groups) it is ``budget``'s instead: n x
+    ``steps`` steps of all workers together, each worker stepping at its own
+    speed (:mod:`mpidl.pacing`). Either way the algorithm settles before the
+    evaluation.
+
     Attributes:
         step: steps taken (all epochs).
         time_s: training time of the finished epochs.
@@ -359,8 +393,8 @@ class _Run:
     """
 
     def __init__(self, config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo: algorithms.Algorithm,
-                 steps: int, threads: int) -> None:
-        self.config, self.net, self.algo, self.steps = config, net, algo, steps
+                 steps: int, threads: int, budget: Optional[pacing.StepBudget]) -> None:
+        self.config, self.net, self.algo, self.steps, self.budget = config, net, algo, steps, budget
         self.meta = _describe(config, dataset, net, algo, steps, threads)
         self.indices = data.shard(len(dataset.y_train), algo.rank, algo.size, config.seed)
         self.x_train, self.y_train = net.array(dataset.x_train), net.array(dataset.y_train)
@@ -387,42 +421,71 @@ class _Run:
 
     def _epoch(self, epoch: int, bar: Any) -> None:
         """Finish ``epoch`` (from its first step not yet taken), evaluate, checkpoint when due."""
-        cfg, net, algo, rank = self.config, self.net, self.algo, self.algo.rank
-        factor = cfg.slow.get(rank, 1.0)
-        batches = data.epoch_batches(self.indices, self.steps, cfg.seed, epoch, rank)
-        order = net.array(np.concatenate(batches))
-        ends = np.cumsum([len(b) for b in batches]).tolist()
-        loss_sum: Any = self.loss_sum
+        cfg, net, algo = self.config, self.net, self.algo
         t0 = time.perf_counter()
-        for k in range(self.step - (epoch - 1) * self.steps, self.steps):
-            batch = order[(ends[k - 1] if k else 0):ends[k]]
-            t = time.perf_counter()
-            algo.zero_grad()
-            loss_sum = loss_sum + net.loss_backward(self.x_train[batch], self.y_train[batch])
-            if factor > 1:
-                net.synchronize()
-                time.sleep((factor - 1) * (time.perf_counter() - t))
-            algo.step()
-            self.step += 1
-            bar.update()
-            if k < self.steps - 1 and self._due():
-                net.synchronize()
-                self.epoch_s += time.perf_counter() - t0
-                self.loss_sum = float(loss_sum)
-                self._save()
-                t0 = time.perf_counter()
+        if self.budget is None:
+            loss_sum, taken, t0 = self._synchronous_steps(epoch, bar, t0)
+        else:
+            loss_sum, taken = self._budgeted_steps(epoch)
+            bar.update(self.steps)
+        algo.settle()
         net.synchronize()
         epoch_s = self.epoch_s + time.perf_counter() - t0
         self.time_s += epoch_s
         self.epoch_s, self.loss_sum = 0.0, 0.0
         self.records.append(metrics.measure(epoch, algo, net, self.x_test, self.y_test, algo.comm,
-                                            train_loss=float(loss_sum) / self.steps, time_s=self.time_s,
+                                            loss_sum=float(loss_sum), steps=taken, time_s=self.time_s,
                                             epoch_s=epoch_s))
-        if rank == 0:
+        if algo.rank == 0:
             bar.write(metrics.line(self.records[-1], cfg.epochs, self.meta["model_bytes"]), file=sys.stdout)
             sys.stdout.flush()
         if self._due() or epoch == cfg.epochs:
             self._save()
+
+    def _synchronous_steps(self, epoch: int, bar: Any, t0: float) -> tuple[Any, int, float]:
+        """The rest of ``epoch``'s steps, checkpointing when due; (loss sum, steps, the
+        time the epoch's current stretch of training started)."""
+        batches = data.epoch_batches(self.indices, self.steps, self.config.seed, epoch, self.algo.rank)
+        order = self.net.array(np.concatenate(batches))
+        ends = np.cumsum([len(b) for b in batches]).tolist()
+        loss_sum: Any = self.loss_sum
+        first = self.step - (epoch - 1) * self.steps
+        for k in range(first, self.steps):
+            loss_sum = loss_sum + self._train_step(order[(ends[k - 1] if k else 0):ends[k]])
+            bar.update()
+            if k < self.steps - 1 and self._due():
+                self.net.synchronize()
+                self.epoch_s += time.perf_counter() - t0
+                self.loss_sum = float(loss_sum)
+                self._save()
+                t0 = time.perf_counter()
+        return loss_sum, self.steps, t0
+
+    def _budgeted_steps(self, epoch: int) -> tuple[Any, int]:
+        """Steps until the epoch's budget is spent; (loss sum, steps taken by this worker)."""
+        stream = data.batch_stream(self.indices, self.steps, self.config.seed, epoch, self.algo.rank)
+        loss_sum: Any = 0.0
+        taken = 0
+        self.budget.begin_epoch()
+        while not self.budget.over():
+            loss_sum = loss_sum + self._train_step(self.net.array(next(stream)))
+            self.budget.step()
+            taken += 1
+        return loss_sum, taken
+
+    def _train_step(self, batch: Any) -> Any:
+        """One step on ``batch``: gradient, the --slow stretch, the algorithm's step; the loss."""
+        net, algo = self.net, self.algo
+        t = time.perf_counter()
+        algo.zero_grad()
+        loss = net.loss_backward(self.x_train[batch], self.y_train[batch])
+        factor = self.config.slow.get(algo.rank, 1.0)
+        if factor > 1:
+            net.synchronize()
+            time.sleep((factor - 1) * (time.perf_counter() - t))
+        algo.step()
+        self.step += 1
+        return loss
 
     def _due(self) -> bool:
         every = self.config.checkpoint_every
@@ -464,6 +527,7 @@ def _describe(config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo:
         "model": models.describe(net.sizes), "layers": list(net.sizes), "parameters": net.parameters,
         "model_bytes": algo.flat.nbytes, "backend": net.backend,
         "device": str(net.device), "threads": threads,
+        "uneven_steps": algo.uneven_steps,
         "epochs": config.epochs, "steps_per_epoch": steps, "batch_size": config.batch_size,
         "lr": config.lr, "momentum": config.momentum, "seed": config.seed,
         "slow": {str(r): f for r, f in sorted(config.slow.items())},
@@ -487,7 +551,9 @@ def _header(meta: dict[str, Any]) -> str:
             f"{meta['test_samples']} test samples), {meta['workers']} workers{slow}\n"
             f"# {meta['model']} ({meta['parameters']} parameters, {meta['model_bytes']} B), {meta['backend']} on "
             f"{meta['device']}, {meta['threads']} thread(s) per worker; {meta['epochs']} epochs x "
-            f"{meta['steps_per_epoch']} steps, batch <= {meta['batch_size']} per worker, lr {meta['lr']}, "
+            + (f"{meta['workers'] * meta['steps_per_epoch']} steps of all workers together"
+               if meta["uneven_steps"] else f"{meta['steps_per_epoch']} steps")
+            + f", batch <= {meta['batch_size']} per worker, lr {meta['lr']}, "
             f"momentum {meta['momentum']}, seed {meta['seed']}")
 
 

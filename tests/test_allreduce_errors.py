@@ -91,7 +91,7 @@ def test_bad_buffer_on_one_rank_reported_on_all(case: str, bad, match: str) -> N
     comm = MPI.COMM_WORLD
     x = one_rank_differs(np.arange(4.0), bad())
     before = np.array(x, copy=True)
-    err = expect_same_error(lambda: collectives.allreduce(x), match, f"rank {comm.Get_size() - 1}")
+    err = expect_same_error(lambda: collectives.allreduce(x), match, f"rank(s) [{comm.Get_size() - 1}]")
     assert err.ranks == (comm.Get_size() - 1,)
     assert np.array_equal(np.asarray(x), before)
 

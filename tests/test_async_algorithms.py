@@ -43,15 +43,15 @@ def test_sum_is_preserved_and_workers_agree_large_communicators(size: int) -> No
     assert min(counts[:3]) >= 1000, proc.stdout  # AD-PSGD and GR-SGD: thousands of pairwise exchanges
 
 
-def test_asynchronous_flags() -> None:
+def test_which_algorithms_take_uneven_steps() -> None:
     comm = MPI.COMM_WORLD
     flags = {}
     for name, options in [("adpsgd", {}), ("grsgd", {}), ("prague", {}), ("prague", {"policy": "static"}),
                           ("dpsgd", {}), ("allreduce", {"algorithm": "ring"})]:
         x = np.zeros(DIM)
         with algorithms.create(name, x, SGD(x, lr=0.1), comm, **options) as algo:
-            flags[f"{name} {options}"] = algo.asynchronous
-    assert flags == {"adpsgd {}": True, "grsgd {}": True, "prague {}": True, "prague {'policy': 'static'}": False,
+            flags[f"{name} {options}"] = algo.uneven_steps
+    assert flags == {"adpsgd {}": True, "grsgd {}": False, "prague {}": True, "prague {'policy': 'static'}": False,
                      "dpsgd {}": False, "allreduce {'algorithm': 'ring'}": False}
 
 

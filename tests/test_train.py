@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpidl import compare
 from mpitest import mpiexec, on_rank0_quietly
 
 pytestmark = [pytest.mark.mpi,
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.mpi,
 
 QUICK = ["--epochs", "2", "--hidden", "16", "--no-progress"]
 
-EPOCH_KEYS = {"epoch", "time_s", "epoch_s", "eval_s", "train_loss", "test_loss", "test_acc", "test_acc_worst",
+EPOCH_KEYS = {"epoch", "time_s", "epoch_s", "eval_s", "train_loss", "steps", "test_loss", "test_acc", "test_acc_worst",
               "test_acc_mean", "consensus", "bytes_per_step_mean", "bytes_per_step_max", "bytes_total", "workers"}
 WORKER_KEYS = {"test_acc", "consensus", "train_loss", "iterations", "bytes_sent", "comm_wait_s", "time_s"}
 
@@ -126,6 +127,47 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path_factory: pytest.TempPa
     assert rc == 2 and "the checkpoint is of another run: lr was 0.05, now 0.1" in stderr
 
 
+@pytest.mark.parametrize("algorithm", ["adpsgd", "prague"])
+def test_workers_step_at_their_own_speed_with_a_straggler(algorithm: str,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """AD-PSGD and Prague: an epoch is 4 x 12 steps of all workers together (give or take the
+    steps taken while its end is announced, which count towards the next one); the rank
+    slowed x20 takes fewer of them than the others; mpidl compare reads the runs."""
+    out = tmp_path_factory.mktemp("straggler")
+    paths = {name: out / f"{name}.json" for name in ("allreduce", algorithm)}
+    for name, path in paths.items():
+        extra = ["--collective", "ring"] if name == "allreduce" else []
+        rc, stdout, stderr = train(4, "--algorithm", name, *extra, "--backend", "numpy", "--slow", "3:20",
+                                   "--json", str(path), *QUICK)
+        assert rc == 0, stderr
+    run = read(paths[algorithm])
+    assert run["meta"]["uneven_steps"] and run["meta"]["slow"] == {"3": 20.0}
+    total = 0
+    for e in run["epochs"]:
+        total += e["steps"]
+        assert 48 * e["epoch"] <= total <= 48 * e["epoch"] + 12 and 0 < e["test_acc"] <= 1 and e["consensus"] < 1e-2
+    iterations = run["epochs"][-1]["workers"]["iterations"]
+    assert sum(iterations) == sum(e["steps"] for e in run["epochs"]) and iterations[3] < max(iterations[:3])
+    assert read(paths["allreduce"])["epochs"][-1]["workers"]["iterations"] == [24] * 4
+    table = on_rank0_quietly(lambda: compare.table([(n, json.loads(p.read_text())) for n, p in paths.items()]))
+    lines = table.splitlines()
+    assert lines[0].startswith("# target: test accuracy") and len(lines) == 4
+    assert lines[2].split()[:2] == ["allreduce", "allreduce"] and lines[2].split()[-2] == "1.00"
+    assert lines[3].split()[:2] == [algorithm, algorithm] and "3:x20" in lines[3]
+
+
+def test_grsgd_takes_equal_steps_within_its_lead(tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tmp_path_factory.mktemp("grsgd") / "run.json"
+    rc, stdout, stderr = train(4, "--algorithm", "grsgd", "--max-lead", "1", "--backend", "numpy", "--slow", "0:3",
+                               "--json", str(out), *QUICK)
+    assert rc == 0, stderr
+    run = read(out)
+    assert run["meta"]["options"] == {"max_lead": "1"} and not run["meta"]["uneven_steps"]
+    last = run["epochs"][-1]
+    assert last["workers"]["iterations"] == [24] * 4 and last["steps"] == 48
+    assert last["bytes_per_step_max"] <= 2 * run["meta"]["model_bytes"] and last["consensus"] < 1e-2
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--algorithm", "lsgd", "--checkpoint", "/tmp/never"], "lsgd keeps communication in flight"),
     (["--resume"], "--resume needs --checkpoint DIR"),
@@ -133,6 +175,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path_factory: pytest.TempPa
     (["--slow", "3"], "bad --slow '3': use RANK:FACTOR"),
     (["--slow", "2:3"], "--slow names rank(s) [2], but there are only 2 ranks"),
     (["--algorithm", "allreduce", "--topology", "ring"], "--topology does not apply to --algorithm allreduce"),
+    (["--algorithm", "grsgd", "--policy", "smart"], "--policy does not apply to --algorithm grsgd"),
+    (["--algorithm", "prague", "--group-size", "3"], "group_size must be an integer in 1..2"),
     (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent"], "not found in /nonexistent"),
 ])
 def test_errors_are_reported_once_with_exit_status_2(argv: list[str], message: str) -> None:

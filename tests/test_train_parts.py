@@ -169,6 +169,14 @@ def test_algorithm_options_go_to_the_algorithms_that_take_them() -> None:
         config_from_args(_args("--algorithm", "allreduce", "--topology", "ring"))
     with pytest.raises(UsageError, match="--collective does not apply to --algorithm dpsgd"):
         config_from_args(_args("--collective", "ring"))
+    assert config_from_args(_args("--algorithm", "prague", "--policy", "random", "--group-size", "3",
+                                  "--local-steps", "2")).options == {"policy": "random", "group_size": 3,
+                                                                     "local_steps": 2}
+    assert config_from_args(_args("--algorithm", "grsgd", "--max-lead", "0")).options == {"max_lead": 0}
+    assert config_from_args(_args("--algorithm", "adpsgd", "--topology", "bipartite")).options == {
+        "topology": "bipartite"}
+    with pytest.raises(UsageError, match="--max-lead does not apply to --algorithm adpsgd"):
+        config_from_args(_args("--algorithm", "adpsgd", "--max-lead", "1"))
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -176,6 +184,8 @@ def test_algorithm_options_go_to_the_algorithms_that_take_them() -> None:
     (["--epochs", "0"], "expected a positive int"),
     (["--lr", "-1"], "expected a number >= 0"),
     (["--hidden", "64,x"], "expected a positive int"),
+    (["--max-lead", "-1"], "expected an integer >= 0"),
+    (["--policy", "fastest"], "invalid choice: 'fastest'"),
 ])
 def test_bad_values_are_refused_by_the_parser(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
