@@ -163,8 +163,8 @@ mpidl_train_algorithms() {
 }
 
 # The `mpidl train` options from the training knobs (ALGORITHM, TOPOLOGY, EPOCHS,
-# LR, SEED, DATASET, SLOW, PLOT) into the array TRAIN_ARGS; empty knobs are
-# left to mpidl's defaults; --no-progress unless stderr is a terminal.
+# LR, SEED, DATASET, SLOW, PLOT, TRAIN_OPTIONS) into the array TRAIN_ARGS; empty
+# knobs are left to mpidl's defaults; --no-progress unless stderr is a terminal.
 # Results: $OUTDIR/train-<algorithm>.json (and .png).
 mpidl_train_args() {
     local algorithm=$1
@@ -175,5 +175,7 @@ mpidl_train_args() {
     if [[ -n $SEED ]]; then TRAIN_ARGS+=(--seed "$SEED"); fi
     if [[ -n $SLOW ]]; then TRAIN_ARGS+=(--slow "$SLOW"); fi
     if [[ $PLOT == 1 ]]; then TRAIN_ARGS+=(--plot "$OUTDIR/train-$algorithm.png"); fi
+    # shellcheck disable=SC2206  # a list of options
+    TRAIN_ARGS+=($TRAIN_OPTIONS)
     if [[ ! -t 2 ]]; then TRAIN_ARGS+=(--no-progress); fi   # no progress bar in an output file
 }

@@ -33,6 +33,7 @@ SEED=${SEED:-0}
 DATASET=${DATASET:-digits}      # digits needs scikit-learn
 SLOW=${SLOW:-}                  # RANK:FACTOR
 PLOT=${PLOT:-1}
+TRAIN_OPTIONS=${TRAIN_OPTIONS:-}  # more mpidl train options, word-split
 LAUNCHER=mpirun
 
 # shellcheck source=jobs/common.sh
