@@ -20,11 +20,13 @@
 #     the bench table, the result files) and, on two nodes, that node2's slurmd
 #     ran a step of the job; then runs jobs/mpirun.sh without Slurm, with a
 #     hostfile of two "hosts" (localhost and 127.0.0.1);
-#  5. submits jobs in which one rank fails mid-run (jobs/test/failure.sbatch:
-#     killed, raising, stalled) and checks that each ends FAILED, non-zero,
-#     within seconds, with the failed rank named in its output;
-#  6. prints a summary and stops the daemons it started (and only those),
-#     on success, failure or interrupt.
+#  5. on one and on two nodes, also submits jobs in which one rank fails
+#     mid-run (jobs/test/failure.sbatch: killed, exiting, raising, stalled) and
+#     checks that each ends FAILED, non-zero, within a minute, with the failed
+#     rank named in its output (where the launcher or mpidl names it);
+#  6. prints a summary, removes the /dev/shm files MPICH left for its own job
+#     steps, and stops the daemons it started (and only those), on success,
+#     failure or interrupt.
 # train_all trains every algorithm that `mpidl train --help` lists, so new
 # algorithms are proven as they arrive. The training jobs need `mpidl train`;
 # while the installed mpidl has none they are reported SKIP (--require-train
@@ -533,7 +535,8 @@ INFO4=('re:^ranks +4$')
 NODES2=('re:^nodes +2$' 're:^ranks per node +2 2$')
 BENCH=('re:^# mpidl bench: 4 ranks' 're:^ +size +algorithm +time' 're:^ +64 KiB +ring ' json:bench.json)
 # A failure job (jobs/test/failure.sbatch) ends FAILED within a minute (not at its
-# 5-minute limit), its output naming rank 1, the one that failed.
+# 5-minute limit), and its output names rank 1, the one that failed: srun names the
+# task, mpidl the raising or stalled rank (mpiexec names only a killed rank's PID).
 FAILURE="MPIDL_JOBS_DIR=$REPO/jobs"
 STALL_ABORT=4
 STALL="MPIDL_STALL_WARN=1 MPIDL_STALL_ABORT=$STALL_ABORT"
