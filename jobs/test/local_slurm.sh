@@ -306,9 +306,10 @@ fnv1a() {  # fnv1a STRING: the 32-bit FNV-1a hash of STRING (ASCII), in hex
 }
 
 remove_step_shm() {  # the shared-memory files MPICH left for this phase's srun steps
-    local step h f
+    local steps step h f
     [[ -n $PHASE_DIR ]] || return 0
-    for step in $(grep -ho 'StepId=[0-9]*\.[0-9]*' "$PHASE_DIR"/slurmd-*.log 2>/dev/null | sort -u | cut -d= -f2); do
+    steps=$(grep -ho 'StepId=[0-9]*\.[0-9]*' "$PHASE_DIR"/slurmd-*.log 2>/dev/null | sort -u | cut -d= -f2) || true
+    for step in $steps; do
         h=$(fnv1a "$step")
         for f in /dev/shm/mpich_shm_"${h}"_* /dev/shm/mpich_vci_"${h}"_*; do
             if [[ -e $f ]]; then rm -f "$f" && log "removed $f (left by step $step)"; fi
