@@ -24,11 +24,12 @@ STALL_ENV = {"MPIDL_STALL_WARN": str(STALL_WARN), "MPIDL_STALL_ABORT": str(STALL
 #: How long a job may take to end after the failure, beyond the stall limit: the
 #: inspector's check interval, the launcher's teardown, a busy 2-core machine.
 SLACK = 15.0
-#: A stall report: rank, seconds waited, operation, peers, and what follows.
-REPORT = re.compile(r"^mpidl: rank (\d+) \(MainThread\) has waited (\d+) s in (.+) "
-                    r"for rank\(s\) ([\d, ]+) of MPI_COMM_WORLD; (.+)$", re.M)
 WARNED = f"the job aborts after {STALL_ABORT} s"
 ABORTED = f"aborting the job (stall limit MPIDL_STALL_ABORT={STALL_ABORT} s)"
+#: A stall report: rank, seconds waited, operation, peers, and how it ends (not
+#: anchored to lines: the launcher may put two ranks' lines on one).
+REPORT = re.compile(r"mpidl: rank (\d+) \(MainThread\) has waited (\d+) s in (.+?) "
+                    rf"for rank\(s\) ([\d, ]+) of MPI_COMM_WORLD; ({re.escape(WARNED)}|{re.escape(ABORTED)})")
 
 
 def run(ranks: int, mode: str, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
