@@ -36,6 +36,9 @@ from mpi4py import MPI
 log = logging.getLogger("collectives.watchdog")
 
 ABORT_EXIT_CODE = 3
+#: Seconds between printing why the job aborts and calling MPI_Abort: mpiexec
+#: (hydra) drops what a rank wrote last when the abort stops it first.
+ABORT_GRACE = 1.0
 
 
 class Slot:
@@ -151,6 +154,20 @@ def _stalls() -> list[tuple[Hashable, float, str]]:
     return out
 
 
+def _say(line: str) -> None:
+    """``line`` on stderr in one write, so that the launcher does not mix it with other ranks' lines."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def abort_job(code: int) -> None:
+    """``MPI_Abort`` on ``MPI.COMM_WORLD`` with ``code``, :data:`ABORT_GRACE` seconds
+    after the caller's last message (flushed), so that the launcher passes it on."""
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE)
+    MPI.COMM_WORLD.Abort(code)
+
+
 def _watch() -> None:
     while True:
         warn, abort = _warn, _abort
@@ -165,13 +182,12 @@ def _watch() -> None:
 def _check(warn: float, abort: float) -> None:
     for key, age, message in _stalls():
         if abort and age > abort:
-            print(f"{message}; aborting the job (stall limit MPIDL_STALL_ABORT={abort:g} s)",
-                  file=sys.stderr, flush=True)
-            MPI.COMM_WORLD.Abort(ABORT_EXIT_CODE)
+            _say(f"{message}; aborting the job (stall limit MPIDL_STALL_ABORT={abort:g} s)")
+            abort_job(ABORT_EXIT_CODE)
         if warn and age > warn and key not in _reported:
             _reported.add(key)
             message += f"; the job aborts after {abort:g} s" if abort else ""
             if log.hasHandlers():
                 log.warning("%s", message)
             else:  # no logging configured: straight to stderr, once
-                print(message, file=sys.stderr, flush=True)
+                _say(message)

@@ -21,6 +21,11 @@
 #   SRUN_MPI       srun's PMI: pmi2 (MPICH, the mpich wheel, Intel MPI, MVAPICH);
 #                  pmix for an Open MPI built with PMIx (not for the mpich wheel)
 #   SRUN_ARGS, MPIEXEC_ARGS, MPIRUN_ARGS   extra launcher options (word-split)
+#   LAUNCH_TIMEOUT each launch (mpidl info, the benchmark, one training run) is
+#                  stopped after this long (timeout(1) syntax: 900, 30m, 2h; SIGTERM,
+#                  SIGKILL 30 s later) and fails with exit status 124. Default 0: no
+#                  limit of its own, the Slurm job's --time limits it; mpirun.sh,
+#                  which has no such limit, sets 1h
 #   OMP_NUM_THREADS  threads per rank for numpy/torch; default: Slurm's
 #                  cpus-per-task, else 1 (more would oversubscribe the cores)
 #
@@ -44,6 +49,7 @@ HOSTFILE=${HOSTFILE:-}
 SRUN_ARGS=${SRUN_ARGS:-}
 MPIEXEC_ARGS=${MPIEXEC_ARGS:-}
 MPIRUN_ARGS=${MPIRUN_ARGS:-}
+LAUNCH_TIMEOUT=${LAUNCH_TIMEOUT:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 # Progress bars only on a terminal; in a job's output file they are noise.
 if [[ ! -t 2 ]]; then export TQDM_DISABLE=${TQDM_DISABLE:-1}; fi
@@ -99,6 +105,7 @@ mpidl_setup() {
         echo "ranks           $NP (hostfile: ${HOSTFILE:-none, this machine only})"
     fi
     echo "launcher        $LAUNCHER ($(command -v "$LAUNCHER"))"
+    echo "launch timeout  $([[ $LAUNCH_TIMEOUT == 0 ]] && echo none || echo "$LAUNCH_TIMEOUT")"
     echo "mpidl           $(command -v mpidl)"
     echo "python          $(command -v python)"
     echo "OMP_NUM_THREADS $OMP_NUM_THREADS"
@@ -135,8 +142,9 @@ mpidl_launch() {
     esac
     local start=$SECONDS status=0
     echo "== $(date '+%T') ${cmd[*]} $*"
-    "${cmd[@]}" "$@" || status=$?
-    echo "== exit $status after $((SECONDS - start)) s: $*"
+    # No stdin: timeout runs the launcher outside the terminal's foreground, where reading it would stop it.
+    timeout -k 30 "$LAUNCH_TIMEOUT" "${cmd[@]}" "$@" </dev/null || status=$?
+    echo "== exit $status after $((SECONDS - start)) s$( ((status == 124)) && echo " (LAUNCH_TIMEOUT=$LAUNCH_TIMEOUT reached)"): $*"
     return "$status"
 }
 
@@ -155,8 +163,8 @@ mpidl_train_algorithms() {
 }
 
 # The `mpidl train` options from the training knobs (ALGORITHM, TOPOLOGY, EPOCHS,
-# LR, SEED, DATASET, SLOW, PLOT) into the array TRAIN_ARGS; empty knobs are
-# left to mpidl's defaults; --no-progress unless stderr is a terminal.
+# LR, SEED, DATASET, SLOW, PLOT, TRAIN_OPTIONS) into the array TRAIN_ARGS; empty
+# knobs are left to mpidl's defaults; --no-progress unless stderr is a terminal.
 # Results: $OUTDIR/train-<algorithm>.json (and .png).
 mpidl_train_args() {
     local algorithm=$1
@@ -167,5 +175,7 @@ mpidl_train_args() {
     if [[ -n $SEED ]]; then TRAIN_ARGS+=(--seed "$SEED"); fi
     if [[ -n $SLOW ]]; then TRAIN_ARGS+=(--slow "$SLOW"); fi
     if [[ $PLOT == 1 ]]; then TRAIN_ARGS+=(--plot "$OUTDIR/train-$algorithm.png"); fi
+    # shellcheck disable=SC2206  # a list of options
+    TRAIN_ARGS+=($TRAIN_OPTIONS)
     if [[ ! -t 2 ]]; then TRAIN_ARGS+=(--no-progress); fi   # no progress bar in an output file
 }

@@ -4,7 +4,7 @@
 #
 #   jobs/mpirun.sh                                        # bench, 4 ranks here
 #   NP=8 HOSTFILE=jobs/hostfile.example jobs/mpirun.sh    # bench over two hosts
-#   WHAT=train ALGORITHM=prague NP=4 jobs/mpirun.sh
+#   WHAT=train ALGORITHM=lsgd NP=4 jobs/mpirun.sh
 #
 # With a hostfile, mpirun starts the remote ranks over ssh: every host needs
 # passwordless ssh from this one and mpidl's environment at the same path
@@ -18,13 +18,14 @@ set -euo pipefail
 WHAT=${WHAT:-bench}             # bench | train | info
 NP=${NP:-4}                     # ranks
 HOSTFILE=${HOSTFILE:-}          # empty: every rank on this machine
+LAUNCH_TIMEOUT=${LAUNCH_TIMEOUT:-1h}  # each launch is stopped after this (timeout(1) syntax); 0: never
 # bench
 SIZES=${SIZES:-4K,16K,64K,256K,1M,4M,16M,64M}
 ALGORITHMS=${ALGORITHMS:-all}
 DTYPE=${DTYPE:-float32}
 REPEAT=${REPEAT:-11}
 # train
-ALGORITHM=${ALGORITHM:-dpsgd}   # allreduce dpsgd lsgd adpsgd grsgd prague
+ALGORITHM=${ALGORITHM:-dpsgd}   # any --algorithm that `mpidl train --help` lists: allreduce dpsgd lsgd ...
 TOPOLOGY=${TOPOLOGY:-}          # only for algorithms with a graph (dpsgd)
 EPOCHS=${EPOCHS:-10}
 LR=${LR:-}
@@ -32,6 +33,7 @@ SEED=${SEED:-0}
 DATASET=${DATASET:-digits}      # digits needs scikit-learn
 SLOW=${SLOW:-}                  # RANK:FACTOR
 PLOT=${PLOT:-1}
+TRAIN_OPTIONS=${TRAIN_OPTIONS:-}  # more mpidl train options, word-split
 LAUNCHER=mpirun
 
 # shellcheck source=jobs/common.sh

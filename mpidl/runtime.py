@@ -58,6 +58,4 @@ def _abort_job(kind: type[BaseException], value: BaseException, tb: Optional[Tra
     rank = MPI.COMM_WORLD.Get_rank()
     text = "".join(traceback.format_exception(kind, value, tb))
     sys.stderr.write(f"mpidl: rank {rank} failed; aborting the job:\n{text}")
-    sys.stderr.flush()
-    code = 130 if issubclass(kind, KeyboardInterrupt) else EXCEPTION_EXIT_CODE
-    MPI.COMM_WORLD.Abort(code)
+    watchdog.abort_job(130 if issubclass(kind, KeyboardInterrupt) else EXCEPTION_EXIT_CODE)

@@ -20,12 +20,17 @@
 #     the bench table, the result files) and, on two nodes, that node2's slurmd
 #     ran a step of the job; then runs jobs/mpirun.sh without Slurm, with a
 #     hostfile of two "hosts" (localhost and 127.0.0.1);
-#  5. prints a summary and stops the daemons it started (and only those),
-#     on success, failure or interrupt.
-# The training jobs need `mpidl train`; while the installed mpidl has none they
-# are reported SKIP (--require-train makes that a failure). train_all trains
-# every algorithm that `mpidl train --help` offers; those of the six (allreduce
-# dpsgd lsgd adpsgd grsgd prague) that it does not offer yet are listed as SKIP.
+#  5. on one and on two nodes, also submits jobs in which one rank fails
+#     mid-run (jobs/test/failure.sbatch: killed, exiting, raising, stalled) and
+#     checks that each ends FAILED, non-zero, within a minute, with the failed
+#     rank named in its output (where the launcher or mpidl names it);
+#  6. prints a summary, removes the /dev/shm files MPICH left for its own job
+#     steps, and stops the daemons it started (and only those), on success,
+#     failure or interrupt.
+# train_all trains every algorithm that `mpidl train --help` lists, so new
+# algorithms are proven as they arrive. The training jobs need `mpidl train`;
+# while the installed mpidl has none they are reported SKIP (--require-train
+# makes that a failure).
 #
 # Options (and their environment variables):
 #   --venv DIR          use this virtualenv (with mpidl installed)  [MPIDL_PROOF_VENV]
@@ -80,6 +85,7 @@ exec 9>"$STATE_DIR/lock"
 flock -n 9 || die "another run holds $STATE_DIR/lock"
 
 WORK=""
+PHASE_DIR=""      # the current Slurm's directory in WORK
 POLICY_CREATED=0
 DAEMONS=()        # "pid name" of every daemon this run started and has not stopped
 SUBMITTED=()      # job ids of the current Slurm phase
@@ -185,6 +191,7 @@ cleanup() {
     cancel_jobs
     stop_daemons .
     if [[ -n $WORK ]]; then sweep "$WORK"; fi   # anything of ours still running (a job that ignored scancel)
+    remove_step_shm
     rm -f "$STATE_DIR/workdir"
     if ((POLICY_CREATED)); then rm -f /usr/sbin/policy-rc.d; fi
     if [[ -n $WORK ]]; then
@@ -218,8 +225,10 @@ install_packages() {
         POLICY_CREATED=1
     fi
     export DEBIAN_FRONTEND=noninteractive
-    timeout 600 apt-get update -q >/dev/null
-    timeout 900 apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+    # Wait for another apt (e.g. unattended-upgrades on a fresh machine) instead of failing at once.
+    timeout 600 apt-get -o DPkg::Lock::Timeout=300 update -q >/dev/null
+    timeout 900 apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends \
+        slurmctld slurmd slurm-client munge >/dev/null
     if ((POLICY_CREATED)); then rm -f /usr/sbin/policy-rc.d; POLICY_CREATED=0; fi
     log "installed $(slurmctld -V)"
 }
@@ -237,10 +246,10 @@ make_venv() {
         log "virtualenv ready"
     fi
     [[ -x $VENV/bin/mpidl ]] || die "$VENV has no mpidl (pip install \".[mpich]\" from the repository)"
-    local help
-    if help=$(timeout 60 "$VENV/bin/mpidl" train --help 2>/dev/null); then
+    if timeout 60 "$VENV/bin/mpidl" train --help >/dev/null 2>&1; then
         HAVE_TRAIN=1
-        TRAIN_ALGORITHMS=$(tr -d '\n' <<<"$help" | sed -n 's/.*--algorithm {\([^}]*\)}.*/\1/p' | tr ',' ' ')
+        # shellcheck disable=SC2016  # expanded by the inner bash
+        TRAIN_ALGORITHMS=$(PATH=$VENV/bin:$PATH timeout 60 bash -c 'source "$1/jobs/common.sh" && mpidl_train_algorithms' - "$REPO")
         log "mpidl train offers: $TRAIN_ALGORITHMS"
     else
         HAVE_TRAIN=0
@@ -275,6 +284,37 @@ start_munge() {
     done
     cat "$dir/munged.log" "$WORK/munged.out" >&2 || true
     die "munged did not come up"
+}
+
+# Job ids: every Slurm of every run starts its own (FirstJobId), and they must
+# not repeat. Under srun --mpi=pmi2, MPICH names a step's shared memory after a
+# hash of its PMI job id "JOB.STEP" (/dev/shm/mpich_shm_<FNV-1a hash>_<node>),
+# and a step that dies leaves that file behind; a later step with the same id
+# attaches to it and fails in MPI_Init ("Out of memory" when the sizes differ)
+# or hangs. So each run takes ids from the clock (unique for a week of runs),
+# each phase its own 100, and removes the files of its own steps when a phase ends.
+FIRST_JOB_ID=$((1000 + $(date +%s) % 600000 * 100))
+next_job_ids() { FIRST_JOB_ID=$((FIRST_JOB_ID + 100)); }
+
+fnv1a() {  # fnv1a STRING: the 32-bit FNV-1a hash of STRING (ASCII), in hex
+    local s=$1 h=2166136261 i c
+    for ((i = 0; i < ${#s}; i++)); do
+        printf -v c '%d' "'${s:i:1}"
+        h=$((((h ^ c) * 16777619) & 0xffffffff))
+    done
+    printf '%x' "$h"
+}
+
+remove_step_shm() {  # the shared-memory files MPICH left for this phase's srun steps
+    local steps step h f
+    [[ -n $PHASE_DIR ]] || return 0
+    steps=$(grep -ho 'StepId=[0-9]*\.[0-9]*' "$PHASE_DIR"/slurmd-*.log 2>/dev/null | sort -u | cut -d= -f2) || true
+    for step in $steps; do
+        h=$(fnv1a "$step")
+        for f in /dev/shm/mpich_shm_"${h}"_* /dev/shm/mpich_vci_"${h}"_*; do
+            if [[ -e $f ]]; then rm -f "$f" && log "removed $f (left by step $step)"; fi
+        done
+    done
 }
 
 # start_slurm PHASE NODE...: a slurm.conf for these nodes, then slurmctld and one slurmd per node.
@@ -313,8 +353,8 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 ReturnToService=2
 MinJobAge=3600
-# Not 1: MPI_Init in step 1.1 of job 1 (only there) hangs or aborts with the mpich wheel under srun --mpi=pmi2.
-FirstJobId=1001
+# Job ids of this run only (see next_job_ids).
+FirstJobId=$FIRST_JOB_ID
 KillWait=5
 InactiveLimit=0
 AccountingStorageType=accounting_storage/none
@@ -350,6 +390,8 @@ EOF
 stop_slurm() {
     cancel_jobs
     stop_daemons '^slurm'
+    remove_step_shm
+    next_job_ids
     unset SLURM_CONF
 }
 
@@ -370,14 +412,10 @@ record() {  # record NAME LAUNCHER SHAPE STATE EXIT SECONDS VERDICT
 
 wanted() { [[ -z $ONLY || $1 =~ $ONLY ]]; }
 
-# skip_train NAME LAUNCHER SHAPE KNOBS: true (and recorded) when there is no
-# mpidl train, or it lacks the job's ALGORITHM.
+# skip_train NAME LAUNCHER SHAPE: true (and recorded) when there is no mpidl train.
 skip_train() {
-    local algorithm
-    algorithm=$(sed -n 's/.*ALGORITHM=\([a-z]*\).*/\1/p' <<<"$4")
     if ((HAVE_TRAIN)); then
-        [[ -z $algorithm || " $TRAIN_ALGORITHMS " == *" $algorithm "* ]] && return 1
-        record "$1" "$2" "$3" - - - "SKIP (mpidl train has no $algorithm yet)"
+        return 1
     elif ((REQUIRE_TRAIN)); then
         record "$1" "$2" "$3" - - - "FAIL: mpidl has no train command"
     else
@@ -403,16 +441,32 @@ check_output() {
     return "$bad"
 }
 
-# sbatch_job NAME SCRIPT "SBATCH OPTIONS" "KNOBS" EXPECT...: submit, wait, check, record.
+seconds() {  # seconds [D-]HH:MM:SS: Slurm's RunTime in seconds
+    local d=0 t=$1 h m s
+    if [[ $t == *-* ]]; then d=${t%%-*}; t=${t#*-}; fi
+    IFS=: read -r h m s <<<"$t"
+    echo $(((10#$d * 24 + 10#$h) * 3600 + 10#$m * 60 + 10#$s))
+}
+
+# sbatch_job NAME SCRIPT "SBATCH OPTIONS" "KNOBS" EXPECT...: submit jobs/SCRIPT, wait, check, record.
+# Besides check_output's EXPECTs: "end:REGEX" for the job's "STATE EXITCODE"
+# (default: COMPLETED 0:0), "within:S" for a RunTime of at most S seconds.
 sbatch_job() {
     local name=$1 script=$2 opts=$3 knobs=$4
     shift 4
     local out=$WORK/out/$name.out outdir=$WORK/results/$name id info state exit runtime t verdict
-    local launcher shape deadline missing
+    local launcher shape deadline missing e end="^COMPLETED 0:0$" within="" expect=()
     wanted "$name" || return 0
+    for e in "$@"; do
+        case $e in
+            end:*) end=${e#end:} ;;
+            within:*) within=${e#within:} ;;
+            *) expect+=("$e") ;;
+        esac
+    done
     launcher=$(sed -n 's/.*LAUNCHER=\([a-z]*\).*/\1/p' <<<"$knobs")
     shape=$(sed -n 's/.*--nodes=\([0-9]*\).*--ntasks-per-node=\([0-9]*\).*/\1x\2/p' <<<"$opts")
-    if [[ $script == train* ]] && skip_train "$name" "$launcher" "$shape" "$knobs"; then return 0; fi
+    if [[ $script == train* ]] && skip_train "$name" "$launcher" "$shape"; then return 0; fi
     mkdir -p "$WORK/out"
     t=$SECONDS
     # shellcheck disable=SC2086  # opts and knobs are word lists without spaces in them
@@ -439,9 +493,11 @@ sbatch_job() {
     exit=$(sed -n 's/.* ExitCode=\([0-9:]*\) .*/\1/p' <<<"$info")
     runtime=$(sed -n 's/.* RunTime=\([0-9:-]*\) .*/\1/p' <<<"$info")
     verdict=PASS
-    if [[ $state != COMPLETED || $exit != 0:0 ]]; then
-        verdict="FAIL: $state, exit $exit"
-    elif ! missing=$(check_output "$name" "$out" "$outdir" "$@"); then
+    if [[ ! "$state $exit" =~ $end ]]; then
+        verdict="FAIL: $state, exit $exit (expected /$end/)"
+    elif [[ -n $within ]] && (($(seconds "$runtime") > within)); then
+        verdict="FAIL: ran $runtime, more than $within s"
+    elif ! missing=$(check_output "$name" "$out" "$outdir" "${expect[@]}"); then
         verdict="FAIL: ${missing//$'\n'/; }"
     elif ((${#NODES[@]} > 1)) && ! grep -q "StepId=$id\." "$PHASE_DIR/slurmd-${NODES[1]}.log"; then
         verdict="FAIL: no step of job $id ran on ${NODES[1]}"
@@ -457,7 +513,7 @@ mpirun_job() {
     shift 2
     local out=$WORK/out/$name.out outdir=$WORK/results/$name status=0 t verdict missing v unset_slurm=()
     wanted "$name" || return 0
-    if [[ $knobs == *WHAT=train* ]] && skip_train "$name" mpirun 2x2 "$knobs"; then return 0; fi
+    if [[ $knobs == *WHAT=train* ]] && skip_train "$name" mpirun 2x2; then return 0; fi
     mkdir -p "$WORK/out"
     for v in "${!SLURM_@}"; do unset_slurm+=(-u "$v"); done
     t=$SECONDS
@@ -479,7 +535,17 @@ mpirun_job() {
 INFO4=('re:^ranks +4$')
 NODES2=('re:^nodes +2$' 're:^ranks per node +2 2$')
 BENCH=('re:^# mpidl bench: 4 ranks' 're:^ +size +algorithm +time' 're:^ +64 KiB +ring ' json:bench.json)
-ALL_ALGORITHMS="allreduce dpsgd lsgd adpsgd grsgd prague"   # issue 4/5
+# A failure job (jobs/test/failure.sbatch) ends FAILED within a minute (not at its
+# 5-minute limit), and its output names rank 1, the one that failed: srun names the
+# task, mpidl the raising or stalled rank (mpiexec names only a killed rank's PID).
+FAILURE="MPIDL_JOBS_DIR=$REPO/jobs"
+STALL_ABORT=4
+STALL="MPIDL_STALL_WARN=1 MPIDL_STALL_ABORT=$STALL_ABORT"
+ENDS_FAILED=('end:^FAILED [1-9][0-9]*:0$' within:60)
+KILLED=('re:task 1: Killed')
+RAISED=('re:^mpidl: rank 1 failed; aborting the job' 're:RuntimeError: injected failure on rank 1')
+STALLED=('re:has waited [0-9]+ s in allreduce.* for rank\(s\) ([0-9]+, )*1(, [0-9]+)* of MPI_COMM_WORLD'
+    "re:aborting the job \\(stall limit MPIDL_STALL_ABORT=$STALL_ABORT s\\)")
 TRAIN_ALGORITHMS=""   # what the installed mpidl train offers (make_venv)
 
 # ---------------------------------------------------------------- main
@@ -492,8 +558,11 @@ echo "$WORK" >"$STATE_DIR/workdir"   # for the next run, should this one be kill
 chmod 755 "$WORK"   # munged (user munge) needs to reach its directory inside
 log "work directory $WORK"
 make_venv
-# train_all expects a result from every algorithm mpidl train offers.
-TRAIN_ALL=()
+# train_all expects a result from every algorithm mpidl train offers. It trains
+# the numpy model: four ranks importing torch once per algorithm take most of the
+# time on a small machine (the other training jobs use torch).
+NUMPY="TRAIN_OPTIONS=--backend=numpy"
+TRAIN_ALL=('re:^# MLP .*, numpy on cpu')
 for a in $TRAIN_ALGORITHMS; do TRAIN_ALL+=("json:train-$a.json"); done
 start_munge
 printf 'localhost:2\n127.0.0.1:2\n' >"$WORK/hostfile"   # two "hosts" for hydra, neither over ssh
@@ -505,7 +574,12 @@ sbatch_job bench-srun bench.sbatch "$S1" "LAUNCHER=srun" "${INFO4[@]}" "${BENCH[
 sbatch_job bench-mpiexec bench.sbatch "$S1" "LAUNCHER=mpiexec" "${INFO4[@]}" "${BENCH[@]}"
 sbatch_job train-srun-dpsgd train.sbatch "$S1" "LAUNCHER=srun ALGORITHM=dpsgd PLOT=1" "${INFO4[@]}" json:train-dpsgd.json file:train-dpsgd.png
 ((QUICK)) || sbatch_job train-mpiexec-allreduce train.sbatch "$S1" "LAUNCHER=mpiexec ALGORITHM=allreduce" "${INFO4[@]}" json:train-allreduce.json
-sbatch_job train_all-srun train_all.sbatch "$S1" "LAUNCHER=srun" "${INFO4[@]}" "${TRAIN_ALL[@]}"
+sbatch_job train_all-srun train_all.sbatch "$S1" "LAUNCHER=srun $NUMPY" "${INFO4[@]}" "${TRAIN_ALL[@]}"
+sbatch_job failure-raise-mpiexec test/failure.sbatch "$S1" "$FAILURE LAUNCHER=mpiexec MODE=raise" "${ENDS_FAILED[@]}" "${RAISED[@]}"
+((QUICK)) || sbatch_job failure-stall-srun test/failure.sbatch "$S1" "$FAILURE LAUNCHER=srun MODE=stall $STALL" "${ENDS_FAILED[@]}" "${STALLED[@]}"
+((QUICK)) || sbatch_job failure-raise-srun test/failure.sbatch "$S1" "$FAILURE LAUNCHER=srun MODE=raise" "${ENDS_FAILED[@]}" "${RAISED[@]}"
+((QUICK)) || sbatch_job failure-kill-mpiexec test/failure.sbatch "$S1" "$FAILURE LAUNCHER=mpiexec MODE=kill" "${ENDS_FAILED[@]}"
+((QUICK)) || sbatch_job failure-exit-srun test/failure.sbatch "$S1" "$FAILURE LAUNCHER=srun MODE=exit" "${ENDS_FAILED[@]}" 're:task 1: Exited with exit code 1'
 stop_slurm
 
 start_slurm multi node1 node2
@@ -513,19 +587,16 @@ sbatch_job bench_multinode-srun bench_multinode.sbatch "$S2" "LAUNCHER=srun" "${
 sbatch_job bench_multinode-mpiexec bench_multinode.sbatch "$S2" "LAUNCHER=mpiexec" "${INFO4[@]}" "${NODES2[@]}" "${BENCH[@]}"
 ((QUICK)) || sbatch_job train_multinode-srun-lsgd train_multinode.sbatch "$S2" "LAUNCHER=srun ALGORITHM=lsgd" "${INFO4[@]}" "${NODES2[@]}" json:train-lsgd.json
 sbatch_job train_multinode-mpiexec-dpsgd-slow train_multinode.sbatch "$S2" "LAUNCHER=mpiexec ALGORITHM=dpsgd SLOW=1:2" "${INFO4[@]}" "${NODES2[@]}" json:train-dpsgd.json
-((QUICK)) || sbatch_job train_all-2nodes-mpiexec train_all.sbatch "$S2" "LAUNCHER=mpiexec" "${INFO4[@]}" "${NODES2[@]}" "${TRAIN_ALL[@]}"
+((QUICK)) || sbatch_job train_all-2nodes-mpiexec train_all.sbatch "$S2" "LAUNCHER=mpiexec $NUMPY" "${INFO4[@]}" "${NODES2[@]}" "${TRAIN_ALL[@]}"
+sbatch_job failure-kill-2nodes-srun test/failure.sbatch "$S2" "$FAILURE LAUNCHER=srun MODE=kill" "${ENDS_FAILED[@]}" "${KILLED[@]}"
+((QUICK)) || sbatch_job failure-stall-2nodes-mpiexec test/failure.sbatch "$S2" "$FAILURE LAUNCHER=mpiexec MODE=stall $STALL" "${ENDS_FAILED[@]}" "${STALLED[@]}"
 stop_slurm
 
 mpirun_job mpirun-bench "WHAT=bench" "${INFO4[@]}" "${NODES2[@]}" "${BENCH[@]}"
 mpirun_job mpirun-train-lsgd "WHAT=train ALGORITHM=lsgd PLOT=1" "${INFO4[@]}" "${NODES2[@]}" json:train-lsgd.json file:train-lsgd.png
 
-if ((HAVE_TRAIN)); then
-    for a in $ALL_ALGORITHMS; do
-        [[ " $TRAIN_ALGORITHMS " == *" $a "* ]] || record "(train algorithm $a)" - - - - - "SKIP (mpidl train has no $a yet)"
-    done
-fi
 echo
-echo "== jobs/ under a local Slurm ($(slurmctld -V)), venv $VENV"
+echo "== jobs/ under a local Slurm ($(slurmctld -V)), venv $VENV; mpidl train offers: ${TRAIN_ALGORITHMS:-(no train)}"
 printf '%-35s %-8s %-5s %-10s %-5s %5s  %s\n' job launcher shape state exit secs result
 printf '%s\n' "${RESULTS[@]}"
 echo "== $((${#RESULTS[@]} - FAILED - SKIPPED)) passed, $FAILED failed, $SKIPPED skipped; $((SECONDS - T0)) s in all"

@@ -1,10 +1,17 @@
-"""Failure injection for tests/test_failures.py: ``python failure.py MODE`` under mpiexec.
+"""Failure injection for tests/test_failures.py: ``python failure.py MODE [ARGS]`` under mpiexec.
 
 Modes:
   stall    rank 1 stops calling collectives (sleeps); the others block in an all-reduce.
   preduce  rank 2 stops calling PReduce.average(); groups that draft it block.
   raise    rank 1 raises in the middle of the run.
   kill     rank 1 is killed (SIGKILL) in the middle of the run.
+  exit     rank 1 leaves in the middle of the run with os._exit(1) (no MPI_Finalize, no cleanup).
+  train    ``mpidl train ARGS``, where rank 1 kills itself (SIGKILL) when the checkpoint
+           after step $FAILURE_KILL_STEP is due, before writing it.
+
+Just before it fails, the failing rank prints ``failure.py: rank R MODE at T``
+(T: time.time()) on stderr, so that a test can measure how long the job took
+to end after the failure.
 """
 
 from __future__ import annotations
@@ -22,23 +29,48 @@ import mpidl
 comm = mpidl.init()
 rank = comm.Get_rank()
 mode = sys.argv[1]
+
+
+def announce() -> None:
+    print(f"failure.py: rank {rank} {mode} at {time.time():.3f}", file=sys.stderr, flush=True)
+
+
+if mode == "train":
+    from mpidl import checkpoint, cli
+
+    kill_step = int(os.environ["FAILURE_KILL_STEP"])
+    save = checkpoint.save
+
+    def save_or_die(directory: str, step: int, *args: object) -> None:
+        if step == kill_step and rank == 1:
+            announce()
+            os.kill(os.getpid(), signal.SIGKILL)
+        save(directory, step, *args)
+
+    checkpoint.save = save_or_die
+    sys.exit(cli.main(["train", *sys.argv[2:]]))
+
 x = np.ones(1000, np.float32)
 
 if mode == "preduce":
     with collectives.PReduce(x, comm, group_size=2, policy="random", seed=1) as pr:
         for step in range(1000):
             if rank == 2 and step == 1:
+                announce()
                 time.sleep(600)
             pr.average()
     sys.exit(0)
 
 for step in range(100000):
     if step == 5 and rank == 1:
+        announce()
         if mode == "stall":
             time.sleep(600)
         elif mode == "raise":
             raise RuntimeError("injected failure on rank 1")
         elif mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif mode == "exit":
+            os._exit(1)
     collectives.allreduce(x, comm, algorithm="ring")
     x[:] = 1.0
