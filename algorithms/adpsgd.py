@@ -115,7 +115,8 @@ class ADPSGD(Algorithm):
         elif isinstance(topo, str):
             topo = build(topo, self.size)
         elif not isinstance(topo, Topology):
-            raise ArgumentError(f"topology must be a name or an algorithms.topology.Topology, got {type(topo).__name__}")
+            raise ArgumentError("topology must be a name or an algorithms.topology.Topology, "
+                                f"got {type(topo).__name__}")
         if topo.size != self.size:
             raise ArgumentError(f"topology {topo.name} has {topo.size} ranks, the communicator {self.size}")
         sides = topo.sides()

@@ -61,37 +61,23 @@ class UsageError(ValueError):
     """A bad ``mpidl train`` option or set-up (raised on every rank alike)."""
 
 
-def _positive(kind: Callable[[str], T]) -> Callable[[str], T]:
+def _parser(kind: Callable[[str], T], accept: Callable[[T], bool], wanted: str) -> Callable[[str], T]:
+    """An argparse type: ``kind(text)`` if ``accept`` takes it, else "expected <wanted>"."""
     def parse(text: str) -> T:
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        if value is None or not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
         return value
-    parse.__name__ = f"positive {kind.__name__}"
+    parse.__name__ = wanted
     return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+_positive_int = _parser(int, lambda v: v > 0, "a positive int")
+_nonnegative_int = _parser(int, lambda v: v >= 0, "an integer >= 0")
+_nonnegative_float = _parser(float, lambda v: v >= 0, "a number >= 0")
 
 
 @dataclass(frozen=True)
@@ -125,13 +111,13 @@ ALGORITHM_OPTIONS = (
                     "topology-aware all-reduce algorithms (default: detected, or MPIDL_RANKS_PER_NODE)"),
     AlgorithmOption("--max-lead", "max_lead", "steps a worker may run ahead of the exchanges it completed with a "
                     "ring neighbor; 0 is synchronous (default 2)", type=_nonnegative_int),
-    AlgorithmOption("--group-size", "group_size", "workers per P-Reduce group (default 2)", type=_positive(int)),
+    AlgorithmOption("--group-size", "group_size", "workers per P-Reduce group (default 2)", type=_positive_int),
     AlgorithmOption("--policy", "policy", "how the group generator forms groups (default smart)",
                     list(collectives.POLICIES)),
     AlgorithmOption("--local-steps", "local_steps", "optimizer steps between averagings (default 1)",
-                    type=_positive(int)),
+                    type=_positive_int),
     AlgorithmOption("--period", "period", "static policy: averagings a partition of the workers is kept "
-                    "(default 1)", type=_positive(int)),
+                    "(default 1)", type=_positive_int),
 )
 
 _FLAG_OF = {opt.keyword: opt.dest for opt in ALGORITHM_OPTIONS}
@@ -188,8 +174,7 @@ def parse_slow(text: str) -> tuple[int, float]:
 
 
 def _sizes(text: str) -> tuple[int, ...]:
-    parse = _positive(int)
-    return tuple(parse(s) for s in text.split(",")) if text else ()
+    return tuple(_positive_int(s) for s in text.split(",")) if text else ()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -212,10 +197,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model backend (default auto: torch if installed, else numpy)")
     g.add_argument("--device", default=defaults.device, choices=["cpu", "cuda"],
                    help="where the torch model and its buffers live (cuda: GPU local rank mod GPU count)")
-    g.add_argument("--threads", type=_positive(int), help="threads per worker (default: cores / ranks on the node)")
+    g.add_argument("--threads", type=_positive_int, help="threads per worker (default: cores / ranks on the node)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=_positive(int), default=defaults.epochs, help=f"(default {defaults.epochs})")
-    g.add_argument("--batch-size", type=_positive(int), default=defaults.batch_size,
+    g.add_argument("--epochs", type=_positive_int, default=defaults.epochs, help=f"(default {defaults.epochs})")
+    g.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size,
                    help=f"per worker (default {defaults.batch_size})")
     g.add_argument("--lr", type=_nonnegative_float, default=defaults.lr, help=f"learning rate (default {defaults.lr})")
     g.add_argument("--momentum", type=_nonnegative_float, default=defaults.momentum,
@@ -231,7 +216,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint", metavar="DIR", help="write checkpoints into DIR: after the last step, and every "
                    "--checkpoint-every steps")
-    g.add_argument("--checkpoint-every", type=_positive(int), default=0, metavar="K",
+    g.add_argument("--checkpoint-every", type=_positive_int, default=0, metavar="K",
                    help="also write a checkpoint after every K-th step")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint DIR (same options; --epochs may grow)")

@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 import algorithms
+from mpitest import spread
 
 #: Relative tolerance of the sum: float64 rounding over a few thousand averagings.
 SUM_RTOL = 1e-10
@@ -49,7 +50,7 @@ def check(comm: MPI.Comm, name: str, options: dict, steps: int = 400, seed: int 
     speed = rng.uniform(0.2, 3.0)
     x = rng.standard_normal(length)
     before = comm.allreduce(x.copy())
-    spread_before = _spread(comm, x)
+    spread_before = spread(comm, x)
     scale = comm.allreduce(float(np.abs(x).sum())) + 1.0
     if "group_size" in options:
         options = {**options, "group_size": min(options["group_size"], n)}
@@ -69,7 +70,7 @@ def check(comm: MPI.Comm, name: str, options: dict, steps: int = 400, seed: int 
         if drift > SUM_RTOL * scale:
             failures.append(f"{what}: after {'settle' if phase == 0 else 'close'} the sum over workers "
                             f"moved by {drift:.3g}")
-    spread_after = _spread(comm, x)
+    spread_after = spread(comm, x)
     if n > 1 and spread_after > 1e-6 * spread_before:
         failures.append(f"{what}: no consensus after {steps} steps: spread {spread_before:.3g} -> {spread_after:.3g}")
     if algo.iterations != steps:
@@ -84,14 +85,6 @@ def _exchanges(algo: algorithms.Algorithm) -> int:
     if isinstance(algo, algorithms.GRSGD):
         return sum(algo.exchanges.values())
     return algo.stats.groups
-
-
-def _spread(comm: MPI.Comm, x: np.ndarray) -> float:
-    """Largest difference between two workers' copies of one parameter."""
-    hi, lo = np.empty_like(x), np.empty_like(x)
-    comm.Allreduce(x, hi, op=MPI.MAX)
-    comm.Allreduce(x, lo, op=MPI.MIN)
-    return float((hi - lo).max())
 
 
 def run_all(comm: MPI.Comm, steps: int) -> tuple[list[str], dict[str, int]]:

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 _SPLITS: dict[int, MPI.Intracomm] = {}
@@ -34,6 +35,14 @@ def comm_of_size(k: int) -> MPI.Intracomm:
 def all_ok(comm: MPI.Comm, ok: bool) -> bool:
     """True on every rank iff ``ok`` holds on every rank of ``comm``."""
     return bool(comm.allreduce(bool(ok), op=MPI.LAND))
+
+
+def spread(comm: MPI.Comm, x: np.ndarray) -> float:
+    """Largest difference between two ranks' copies of one element of ``x``."""
+    hi, lo = np.empty_like(x), np.empty_like(x)
+    comm.Allreduce(x, hi, op=MPI.MAX)
+    comm.Allreduce(x, lo, op=MPI.MIN)
+    return float((hi - lo).max())
 
 
 def gather_failures(comm: MPI.Comm, failures: Sequence[str]) -> list[str]:

@@ -24,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
+from mpitest import spread
 
 #: Relative tolerance of the sum: float64 reassociation over a few hundred averages.
 SUM_RTOL = 1e-10
@@ -43,14 +44,14 @@ def check(comm: MPI.Comm, policy: str, group_size: int, rounds: int = 100, seed:
     speed = rng.uniform(0.2, 3.0)
     x = rng.standard_normal(length)
     before = comm.allreduce(x.copy())
-    spread_before = _spread(comm, x)
+    spread_before = spread(comm, x)
     with collectives.PReduce(x, comm, group_size=group_size, policy=policy, seed=seed, period=2) as pr:
         for _ in range(rounds):
             time.sleep(speed * rng.uniform(0, max_delay))
             assert pr.average() is x
             assert pr.last_group is not None and r in pr.last_group and len(pr.last_group) <= group_size
     after = comm.allreduce(x.copy())
-    spread_after = _spread(comm, x)
+    spread_after = spread(comm, x)
     what = f"{policy} k={group_size} n={n}"
     failures = []
     scale = comm.allreduce(float(np.abs(x).sum()) + 1.0)
@@ -61,14 +62,6 @@ def check(comm: MPI.Comm, policy: str, group_size: int, rounds: int = 100, seed:
     if pr.stats.calls != rounds or pr.stats.groups < rounds:
         failures.append(f"{what}: stats {pr.stats}")
     return failures
-
-
-def _spread(comm: MPI.Comm, x: np.ndarray) -> float:
-    """Largest difference between two workers' copies of one parameter."""
-    hi, lo = np.empty_like(x), np.empty_like(x)
-    comm.Allreduce(x, hi, op=MPI.MAX)
-    comm.Allreduce(x, lo, op=MPI.MIN)
-    return float((hi - lo).max())
 
 
 def main(argv: list[str]) -> int:
