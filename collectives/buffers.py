@@ -16,8 +16,7 @@ their adapter is registered in :data:`DEVICE_ADAPTERS`.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -35,9 +34,9 @@ _NUMPY_NAMES = {np.dtype(name): name for name in NUMPY_DTYPES}  # dtype.name is 
 DEVICE_ADAPTERS: list[Callable[[Any], "FlatBuffer | None"]] = []
 
 
-@dataclass(frozen=True)
-class FlatBuffer:
-    """A contiguous 1-D array aliasing the memory of ``owner``.
+class FlatBuffer(NamedTuple):
+    """A contiguous 1-D array aliasing the memory of ``owner`` (a named tuple:
+    built on every collective call, so it must be cheap).
 
     Attributes:
         data: numpy (or CuPy) 1-D array sharing memory with ``owner``.
@@ -130,7 +129,7 @@ def _from_numpy(arr: np.ndarray, owner: Any) -> FlatBuffer:
             raise ArgumentError(f"{what} has non-native byte order; convert it with .astype(dtype.newbyteorder('='))")
         check_dtype(arr.dtype.name, what)
         check_layout(flags.c_contiguous, flags.writeable, what)
-    return FlatBuffer(arr.reshape(-1), name, owner)
+    return FlatBuffer(arr if arr.ndim == 1 else arr.reshape(-1), name, owner)
 
 
 def _from_cpu_tensor(t: Any) -> FlatBuffer:

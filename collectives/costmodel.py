@@ -18,14 +18,22 @@ butterfly           lg p (alpha + n beta + n gamma) (+ the fold as above)
 reduce_broadcast    2 ceil(lg p) (alpha + n beta) + ceil(lg p) n gamma
 hierarchical_ring   intra-node reduce and broadcast + ring among the m leaders
 torus2d             2(X-1) alpha + 2n (X-1)/X beta (rows) + ring of n/X bytes on Y (columns)
+shm                 (s+1) alpha_shm + n beta_shm on one node, s = ceil(n / segment);
+                    across m nodes: that, + ring among the m leaders + s alpha_shm +
+                    n beta_shm (broadcast)
 =================== =====================================================================
+
+alpha_shm and beta_shm describe the shared-memory algorithm (:mod:`collectives.shm`):
+alpha_shm is one shared-memory barrier with the per-piece work around it,
+beta_shm the per-byte cost of copying a vector in, reducing it and copying
+the result out, all ranks of a node at once (memory bandwidth is shared).
 
 ``overhead`` is the fixed per-call cost of the Python entry point and the
 argument check; it is the same for every algorithm, so it moves predictions
 but never the choice.
 
 Parameters come from :func:`calibrate` (ping-pong exchanges inside and across
-nodes and a timed reduction), can be saved to and loaded from JSON
+nodes, a timed reduction, the shared-memory algorithm timed at two sizes), can be saved to and loaded from JSON
 (:meth:`Params.save`, :meth:`Params.load`; ``MPIDL_COSTMODEL=FILE`` makes
 ``algorithm="auto"`` load a file instead of measuring).
 """
@@ -34,16 +42,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 from .hierarchy import Grid, default_grid
 from .layout import Layout
+from . import shm as _shm
+from .ops import reduction
 
 log = logging.getLogger("collectives.auto")
 
@@ -58,6 +69,8 @@ class Params:
     beta_inter: float = 1e-9
     gamma: float = 1e-10
     overhead: float = 5e-6
+    alpha_shm: float = 2e-6
+    beta_shm: float = 3e-10
     source: str = "built-in defaults"
 
     def link(self, inter: bool) -> tuple[float, float]:
@@ -78,7 +91,8 @@ class Params:
     def __str__(self) -> str:
         return (f"alpha_intra={self.alpha_intra * 1e6:.2f}us beta_intra={self.beta_intra * 1e9:.3f}ns/B "
                 f"alpha_inter={self.alpha_inter * 1e6:.2f}us beta_inter={self.beta_inter * 1e9:.3f}ns/B "
-                f"gamma={self.gamma * 1e9:.3f}ns/B overhead={self.overhead * 1e6:.2f}us ({self.source})")
+                f"gamma={self.gamma * 1e9:.3f}ns/B overhead={self.overhead * 1e6:.2f}us "
+                f"alpha_shm={self.alpha_shm * 1e6:.2f}us beta_shm={self.beta_shm * 1e9:.3f}ns/B ({self.source})")
 
 
 # --- the algorithms as steps ------------------------------------------------
@@ -186,6 +200,16 @@ def torus2d(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> 
     return row_t + col_t
 
 
+def shm(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+    """Predicted seconds of the shared-memory algorithm for ``n`` bytes."""
+    pieces = max(1, math.ceil(n / _shm.SEGMENT))
+    intra = (pieces + 1) * prm.alpha_shm + n * prm.beta_shm if max(lay.ranks_per_node) > 1 else 0.0
+    if lay.nodes == 1:
+        return intra
+    leaders = _ring(prm, lay, [lay.members(k)[0] for k in range(lay.nodes)], n)
+    return leaders + (intra + pieces * prm.alpha_shm + n * prm.beta_shm if intra else 0.0)
+
+
 #: Predictors by algorithm name: (params, layout, bytes, grid) -> seconds.
 MODELS: dict[str, Callable[..., float]] = {
     "ring": ring,
@@ -194,6 +218,7 @@ MODELS: dict[str, Callable[..., float]] = {
     "reduce_broadcast": reduce_broadcast,
     "hierarchical_ring": hierarchical_ring,
     "torus2d": torus2d,
+    "shm": shm,
 }
 
 
@@ -217,9 +242,10 @@ class Choice:
         return self.reason
 
 
-def choose(nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None) -> Choice:
-    """The algorithm with the least predicted time for ``nbytes`` on ``lay``."""
-    preds = {name: predict(name, nbytes, lay, prm, grid) for name in MODELS}
+def choose(nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None,
+           candidates: Iterable[str] = MODELS) -> Choice:
+    """The algorithm among ``candidates`` with the least predicted time for ``nbytes`` on ``lay``."""
+    preds = {name: predict(name, nbytes, lay, prm, grid) for name in candidates}
     ranked = sorted(preds, key=lambda k: (preds[k], k))
     best = ranked[0]
     runner = f", next {ranked[1]} {preds[ranked[1]] * 1e6:.1f} us" if len(ranked) > 1 else ""
@@ -239,17 +265,20 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     alpha and beta come from timed exchanges (both ranks send at once, as the
     algorithms do) of 8 B and 4 MiB between two ranks of one node and between
     the first ranks of two nodes; gamma from a timed in-place float32 sum of
-    4 MiB; overhead from an all-reduce of an empty buffer. Parameters that
-    the layout cannot measure (no two ranks on one node, or one node) are
-    taken from the other link class. ``xp`` = cupy measures device buffers
-    (through the device transport in use), whose costs differ from host
-    memory's by orders of magnitude.
+    4 MiB; overhead from an all-reduce of an empty buffer; alpha_shm and
+    beta_shm from the shared-memory algorithm on 8 B and 4 MiB, every node at
+    once (host buffers only: it does not run on device buffers). Parameters
+    that the layout cannot measure (no two ranks on one node, or one node)
+    are taken from the other link class, or the defaults. ``xp`` = cupy
+    measures device buffers (through the device transport in use), whose
+    costs differ from host memory's by orders of magnitude.
     """
     from . import api
     from .context import context
     from .p2p import sendrecv
 
-    user, comm = comm, context(comm).comm
+    user, ctx = comm, context(comm)
+    comm = ctx.comm
     if xp is not np:
         from . import gpu
 
@@ -278,8 +307,28 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
         t_small, t_large = comm.bcast(times if rank == pair[0] else None, root=pair[0]).values()
         return t_small, max((t_large - t_small) / (_LARGE - _SMALL), 1e-13)
 
+    def shared_memory() -> Optional[tuple[float, float]]:
+        seg = _shm.node_segment(ctx, lay) if xp is np and _shm.capable(ctx, lay) else None
+        red = reduction("sum", "float32")
+        times = []
+        for nbytes in (_SMALL, _LARGE):
+            v = np.zeros(nbytes // 4, np.float32)
+            samples = []
+            for _ in range(repeat if nbytes == _SMALL else max(3, repeat // 3)):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                if seg is not None:
+                    _shm.allreduce(v, seg, red)
+                samples.append(time.perf_counter() - t0)
+            times.append(comm.allreduce(float(np.median(samples)) if seg is not None else 0.0, op=MPI.MAX))
+        if not times[0]:
+            return None
+        alpha = times[0] / 2  # one piece: two barriers
+        return alpha, max((times[1] - (math.ceil(_LARGE / _shm.SEGMENT) + 1) * alpha) / _LARGE, 1e-13)
+
     measured_intra = exchange(intra)
     measured_inter = exchange(inter)
+    measured_shm = shared_memory()
     x = xp.ones(_LARGE // 4, np.float32)
     y = xp.ones(_LARGE // 4, np.float32)
     samples = []
@@ -301,9 +350,10 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     defaults = Params()
     ai, bi = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra)
     ae, be = measured_inter or (ai, bi)
+    a_shm, b_shm = measured_shm or (defaults.alpha_shm, defaults.beta_shm)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     memory = "host" if xp is np else "device"
-    return Params(ai, bi, ae, be, gamma, overhead,
+    return Params(ai, bi, ae, be, gamma, overhead, a_shm, b_shm,
                   f"calibrated {stamp} on {comm.Get_size()} ranks, {lay}, {memory} buffers")
 
 

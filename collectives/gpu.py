@@ -32,7 +32,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -40,6 +40,9 @@ from mpi4py import MPI
 from . import buffers, p2p
 from .buffers import FlatBuffer
 from .errors import ArgumentError
+from .scratch import scratch
+
+_STAGE = 8  # scratch slot of :func:`on_host`
 
 
 @dataclass
@@ -302,6 +305,17 @@ def _probe(comm: MPI.Comm) -> bool:
                 and bool((total.get() == expected_total).all()))
     except Exception:  # an MPI error or a CUDA error: either way, not usable
         return False
+
+
+def on_host(x: Any, fn: Callable[[np.ndarray], None]) -> None:
+    """Run ``fn`` on a host copy of the device array ``x`` (a reusable per-thread
+    buffer), then copy the host array back into ``x``; if ``fn`` raises, ``x``
+    is untouched. For host-only algorithms (:mod:`collectives.shm`)."""
+    host = scratch(np.empty(0, x.dtype), x.shape[0], slot=_STAGE)
+    _sync()
+    x.get(out=host)
+    fn(host)
+    x.set(host)
 
 
 def ensure(comm: MPI.Comm, flat: FlatBuffer) -> None:
