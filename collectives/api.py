@@ -108,25 +108,18 @@ class _Auto:
         self.req = req
         self.layout = node_layout(req.comm, req.layout)
         self.runs = {name: ALGORITHMS[name](req) for name in _candidates(req.ctx, self.layout, np)}
-        self.chosen: dict[tuple[int, Any], str] = {}
-        self.params(np)  # calibrate for host buffers now, while every rank is here
+        self.chosen: dict[tuple[int, Any, bool], str] = {}
+        costmodel.params_for(req.comm, self.layout, req.ctx.cache)  # calibrate now, while every rank is here
 
-    def params(self, xp: Any) -> costmodel.Params:
-        """The cost-model parameters for buffers of array module ``xp`` (collective on first use)."""
-        return costmodel.params_for(self.req.comm, self.layout, self.req.ctx.cache, xp)
-
-    def choice(self, nbytes: int, xp: Any = np) -> costmodel.Choice:
-        """The cost model's choice for ``nbytes`` of ``xp`` memory (collective on first use)."""
-        return costmodel.choose(nbytes, self.layout, self.params(xp), self.req.grid,
-                                _candidates(self.req.ctx, self.layout, xp))
-
-    def algorithm_for(self, nbytes: int, xp: Any = np) -> str:
-        """The algorithm run for ``nbytes`` of ``xp`` memory (chosen once per size, logged at DEBUG)."""
-        name = self.chosen.get((nbytes, xp))
+    def algorithm_for(self, nbytes: int, xp: Any = np, validate: bool = False) -> str:
+        """The algorithm run for ``nbytes`` of ``xp`` memory, with or without the
+        argument check (chosen once per case, logged at DEBUG; collective on
+        first use for device memory: it calibrates)."""
+        name = self.chosen.get((nbytes, xp, validate))
         if name is None:
-            choice = self.choice(nbytes, xp)
+            choice = _choose(self.req.ctx, self.req.comm, self.layout, nbytes, self.req.grid, xp, validate)
             log.debug("%s", choice.reason)
-            name = self.chosen[nbytes, xp] = choice.algorithm
+            name = self.chosen[nbytes, xp, validate] = choice.algorithm
         return name
 
     def __call__(self, x: Any, red: Reduction) -> None:
@@ -209,7 +202,7 @@ class _Call:
             plan = ctx.cache[key] = ALGORITHMS[self.algorithm](req)
         name, run = self.algorithm, plan
         if isinstance(plan, _Auto):
-            name = plan.algorithm_for(x.nbytes, np if type(x) is np.ndarray else array_module(x))
+            name = plan.algorithm_for(x.nbytes, np if type(x) is np.ndarray else array_module(x), self.validate)
             run = plan.runs[name]
         if self.validate and type(x) is np.ndarray and ctx.size > 1:
             self.carrier = run.carrier(ctx) if isinstance(run, _Shm) else None
@@ -299,17 +292,23 @@ def broadcast(buf: Any, comm: Optional[MPI.Comm] = None, *, validate: Optional[b
 
 
 def explain(nbytes: int, comm: Optional[MPI.Comm] = None, *, layout: RanksPerNode = None,
-            grid: Optional[tuple[int, int]] = None, device: str = "cpu") -> costmodel.Choice:
+            grid: Optional[tuple[int, int]] = None, device: str = "cpu",
+            validate: Optional[bool] = None) -> costmodel.Choice:
     """What ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``comm`` (in
-    host memory, or GPU memory with ``device="cuda"``), every candidate's
+    host memory, or GPU memory with ``device="cuda"``; with the argument check
+    as ``validate`` resolves, see :func:`allreduce`), every candidate's
     predicted time, and the reason (collective on first use: it may calibrate
     the cost model)."""
     user = _WORLD if comm is None else comm
-    lay = node_layout(user, layout)
     xp = np if device == "cpu" else importlib.import_module("cupy")
-    ctx = context(user)
-    return costmodel.choose(nbytes, lay, costmodel.params_for(user, lay, ctx.cache, xp), grid,
-                            _candidates(ctx, lay, xp))
+    return _choose(context(user), user, node_layout(user, layout), nbytes, grid, xp, validation.enabled(validate))
+
+
+def _choose(ctx: Context, comm: MPI.Comm, lay: Layout, nbytes: int, grid: Optional[tuple[int, int]], xp: Any,
+            validate: bool) -> costmodel.Choice:
+    """The cost model's choice for ``auto`` (collective on first use: it may calibrate)."""
+    return costmodel.choose(nbytes, lay, costmodel.params_for(comm, lay, ctx.cache, xp), grid,
+                            _candidates(ctx, lay, xp), validate)
 
 
 def _candidates(ctx: Context, lay: Layout, xp: Any) -> list[str]:

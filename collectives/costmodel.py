@@ -18,9 +18,10 @@ butterfly           lg p (alpha + n beta + n gamma) (+ the fold as above)
 reduce_broadcast    2 ceil(lg p) (alpha + n beta) + ceil(lg p) n gamma
 hierarchical_ring   intra-node reduce and broadcast + ring among the m leaders
 torus2d             2(X-1) alpha + 2n (X-1)/X beta (rows) + ring of n/X bytes on Y (columns)
-shm                 (s+1) alpha_shm + n beta_shm on one node, s = ceil(n / segment);
-                    across m nodes: that, + ring among the m leaders + s alpha_shm +
-                    n beta_shm (broadcast)
+shm                 b alpha_shm + n beta_shm on one node, s = ceil(n / segment) pieces,
+                    b = s barriers (2 ranks or small vectors) or s + 1; across m
+                    nodes: that, + ring among the m leaders + s alpha_shm + n beta_shm
+                    (broadcast)
 =================== =====================================================================
 
 alpha_shm and beta_shm describe the shared-memory algorithm (:mod:`collectives.shm`):
@@ -28,12 +29,16 @@ alpha_shm is one shared-memory barrier with the per-piece work around it,
 beta_shm the per-byte cost of copying a vector in, reducing it and copying
 the result out, all ranks of a node at once (memory bandwidth is shared).
 
-``overhead`` is the fixed per-call cost of the Python entry point and the
-argument check; it is the same for every algorithm, so it moves predictions
-but never the choice.
+``overhead`` is the fixed per-call cost of the Python entry point; it is the
+same for every algorithm, so it moves predictions but never the choice. The
+cross-rank argument check is not: where it rides along (the shared-memory
+algorithm on one node, the butterfly up to the fused limit across nodes) it
+costs nothing, elsewhere one shared-memory barrier (alpha_shm) on one node
+or ceil(lg p) header exchanges across nodes (:func:`check_cost`).
 
 Parameters come from :func:`calibrate` (ping-pong exchanges inside and across
-nodes, a timed reduction, the shared-memory algorithm timed at two sizes), can be saved to and loaded from JSON
+nodes, a timed reduction, the shared-memory algorithm timed at two sizes),
+can be saved to and loaded from JSON
 (:meth:`Params.save`, :meth:`Params.load`; ``MPIDL_COSTMODEL=FILE`` makes
 ``algorithm="auto"`` load a file instead of measuring).
 """
@@ -51,10 +56,11 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 from mpi4py import MPI
 
+from . import shm as _shm
 from .hierarchy import Grid, default_grid
 from .layout import Layout
-from . import shm as _shm
 from .ops import reduction
+from .validation import FUSE_LIMIT
 
 log = logging.getLogger("collectives.auto")
 
@@ -200,10 +206,17 @@ def torus2d(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> 
     return row_t + col_t
 
 
-def shm(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
-    """Predicted seconds of the shared-memory algorithm for ``n`` bytes."""
+def _shm_barriers(q: int, n: float) -> tuple[int, int]:
+    """(pieces, barriers) of a shared-memory reduction of ``n`` bytes on ``q`` ranks."""
     pieces = max(1, math.ceil(n / _shm.SEGMENT))
-    intra = (pieces + 1) * prm.alpha_shm + n * prm.beta_shm if max(lay.ranks_per_node) > 1 else 0.0
+    return pieces, pieces + (0 if q == 2 or n <= _shm.REPLICATE else 1)
+
+
+def shm(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+    """Predicted seconds of the shared-memory algorithm for ``n`` bytes (the largest node's)."""
+    q = max(lay.ranks_per_node)
+    pieces, barriers = _shm_barriers(q, n)
+    intra = barriers * prm.alpha_shm + n * prm.beta_shm if q > 1 else 0.0
     if lay.nodes == 1:
         return intra
     leaders = _ring(prm, lay, [lay.members(k)[0] for k in range(lay.nodes)], n)
@@ -222,11 +235,24 @@ MODELS: dict[str, Callable[..., float]] = {
 }
 
 
-def predict(algorithm: str, nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None) -> float:
-    """Predicted seconds of one all-reduce of ``nbytes`` with ``algorithm``."""
+def check_cost(algorithm: str, nbytes: int, lay: Layout, prm: Params) -> float:
+    """Predicted seconds the argument check adds to an all-reduce (see the module docstring)."""
+    p = len(lay.node_of)
+    if lay.nodes == 1:
+        return 0.0 if algorithm == "shm" else prm.alpha_shm
+    if algorithm == "butterfly" and nbytes <= FUSE_LIMIT:
+        return 0.0
+    return math.ceil(math.log2(p)) * (prm.alpha_inter + 2 * _shm.HEADER * prm.beta_inter)
+
+
+def predict(algorithm: str, nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None,
+            validate: bool = False) -> float:
+    """Predicted seconds of one all-reduce of ``nbytes`` with ``algorithm`` (with
+    the argument check if ``validate``)."""
     if len(lay.node_of) == 1:
         return prm.overhead
-    return prm.overhead + MODELS[algorithm](prm, lay, float(nbytes), grid)
+    check = check_cost(algorithm, nbytes, lay, prm) if validate else 0.0
+    return prm.overhead + check + MODELS[algorithm](prm, lay, float(nbytes), grid)
 
 
 @dataclass
@@ -243,13 +269,15 @@ class Choice:
 
 
 def choose(nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None,
-           candidates: Iterable[str] = MODELS) -> Choice:
-    """The algorithm among ``candidates`` with the least predicted time for ``nbytes`` on ``lay``."""
-    preds = {name: predict(name, nbytes, lay, prm, grid) for name in candidates}
+           candidates: Iterable[str] = MODELS, validate: bool = False) -> Choice:
+    """The algorithm among ``candidates`` with the least predicted time for ``nbytes``
+    on ``lay`` (with the argument check if ``validate``)."""
+    preds = {name: predict(name, nbytes, lay, prm, grid, validate) for name in candidates}
     ranked = sorted(preds, key=lambda k: (preds[k], k))
     best = ranked[0]
     runner = f", next {ranked[1]} {preds[ranked[1]] * 1e6:.1f} us" if len(ranked) > 1 else ""
-    reason = (f"auto: {best} for {nbytes} B on {len(lay.node_of)} ranks ({lay}): predicted "
+    checked = "checked" if validate else "unchecked"
+    reason = (f"auto: {best} for {nbytes} B on {len(lay.node_of)} ranks ({lay}), {checked}: predicted "
               f"{preds[best] * 1e6:.1f} us, the least of {len(preds)}{runner}; {prm}")
     return Choice(best, nbytes, {k: preds[k] for k in ranked}, reason)
 
@@ -265,7 +293,7 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     alpha and beta come from timed exchanges (both ranks send at once, as the
     algorithms do) of 8 B and 4 MiB between two ranks of one node and between
     the first ranks of two nodes; gamma from a timed in-place float32 sum of
-    4 MiB; overhead from an all-reduce of an empty buffer; alpha_shm and
+    4 MiB; overhead from an unchecked all-reduce of an empty buffer; alpha_shm and
     beta_shm from the shared-memory algorithm on 8 B and 4 MiB, every node at
     once (host buffers only: it does not run on device buffers). Parameters
     that the layout cannot measure (no two ranks on one node, or one node)
@@ -313,6 +341,8 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
         times = []
         for nbytes in (_SMALL, _LARGE):
             v = np.zeros(nbytes // 4, np.float32)
+            if seg is not None:
+                _shm.allreduce(v, seg, red)  # warm-up: the segment's pages are touched
             samples = []
             for _ in range(repeat if nbytes == _SMALL else max(3, repeat // 3)):
                 comm.Barrier()
@@ -323,8 +353,9 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
             times.append(comm.allreduce(float(np.median(samples)) if seg is not None else 0.0, op=MPI.MAX))
         if not times[0]:
             return None
-        alpha = times[0] / 2  # one piece: two barriers
-        return alpha, max((times[1] - (math.ceil(_LARGE / _shm.SEGMENT) + 1) * alpha) / _LARGE, 1e-13)
+        q = max(lay.ranks_per_node)
+        alpha = times[0] / _shm_barriers(q, _SMALL)[1]
+        return alpha, max((times[1] - _shm_barriers(q, _LARGE)[1] * alpha) / _LARGE, 1e-13)
 
     measured_intra = exchange(intra)
     measured_inter = exchange(inter)
@@ -344,7 +375,7 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     for _ in range(repeat):
         comm.Barrier()
         t0 = time.perf_counter()
-        api.allreduce(empty, user, algorithm="ring")
+        api.allreduce(empty, user, algorithm="ring", validate=False)
         samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     overhead = float(np.median(samples))
     defaults = Params()

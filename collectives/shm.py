@@ -3,24 +3,28 @@
 Inside a node, message passing copies every byte twice (into the library's
 shared cells and out again) and then reduces it. Here the node's ranks map one
 shared segment (``MPI_Win_allocate_shared`` on the node communicator) and
-work on each other's data directly. The vector is cut into pieces of at most
+read each other's data directly. The vector is cut into pieces of at most
 :data:`SEGMENT` bytes; two buffers alternate, each with an input slot per
 rank and one result slot, so memory stays bounded and a piece's slots stay in
-cache. Phases for piece k (q ranks on the node; the piece split into q slices
-by :func:`~collectives.chunks.chunk_bounds`):
+cache. Phases for piece k (q ranks on the node):
 
 1. copy-in: every rank copies piece k into its input slot;
 2. barrier;
-3. copy-out of piece k-1 (below), then reduce: rank i combines slice i of all
-   q input slots, in rank order, into slice i of the result slot;
-4. after the barrier of piece k+1 (or the last one), every rank copies the
-   whole result slot into its vector.
+3. reduce, one of two ways:
 
-A piece's copy-out and the next piece's copy-in share a barrier, so a call of
-s pieces takes s + 1 barriers. Each slice is reduced on one rank and copied,
-so every rank ends bitwise identical. The argument check rides along: every
-rank writes its signature header into the segment before the first barrier
-and reads all headers after it (:meth:`Segment.post`,
+   * replicated (q = 2, or vectors up to :data:`REPLICATE` bytes): every rank
+     combines all q input slots, in rank order, straight into its vector.
+     One barrier per piece and no copy-out; each rank reads q slots.
+   * sliced (otherwise): rank i combines slice i (of q, by
+     :func:`~collectives.chunks.chunk_bounds`) of all q input slots, in rank
+     order, into slice i of the result slot; after the next piece's barrier
+     (or a last one) every rank copies the whole result slot into its
+     vector. s + 1 barriers for s pieces; each rank reads about one piece.
+
+Either way every element is computed by the same operations in the same
+order, so all ranks end bitwise identical. The argument check rides along:
+every rank writes its signature header into the segment before the first
+barrier and reads all headers after it (:meth:`Segment.post`,
 :meth:`Segment.headers`), so it costs no extra synchronisation.
 
 Across nodes (:func:`hierarchical`): the node's sum is reduced this way onto
@@ -28,25 +32,28 @@ the node leader only, the leaders run a ring all-reduce
 (:mod:`collectives.ring`), and each leader broadcasts through the segment
 (one barrier per piece).
 
-Cost on one node (s = ceil(n / SEGMENT) pieces): (s + 1) alpha_shm + n beta_shm,
-alpha_shm being one barrier with the per-piece work around it, beta_shm the
-per-byte cost of the copy-in, the reduction and the copy-out. Across m nodes:
-reduce (s + 1) alpha_shm + n beta_shm, plus 2(m-1) alpha_inter + 2n(m-1)/m
-beta_inter + n(m-1)/m gamma among the leaders, plus broadcast s alpha_shm +
-n beta_shm. No byte crosses MPI inside a node.
+Cost on one node, s = ceil(n / SEGMENT) pieces, b = s barriers replicated or
+s + 1 sliced: b alpha_shm + n beta_shm, alpha_shm being one barrier with the
+per-piece work around it, beta_shm the per-byte cost of the copy-in, the
+reduction and (sliced) the copy-out. Across m nodes: reduce b alpha_shm +
+n beta_shm, plus 2(m-1) alpha_inter + 2n(m-1)/m beta_inter + n(m-1)/m gamma
+among the leaders, plus broadcast s alpha_shm + n beta_shm. No byte crosses
+MPI inside a node.
 
 Synchronisation: each rank owns a counter on its own cache line; a barrier
 publishes the rank's next count and waits until every peer's counter has
 reached it. ``MPI_Win_sync`` (the memory barrier of the MPI-3 unified model)
-orders the data writes before the counter and the reads after it. A waiting
-rank spins briefly, then yields the core (oversubscribed nodes), and is
-watched by the stall inspector (:mod:`collectives.watchdog`).
+orders the data writes before the counter and the reads after it. A buffer is
+written again only two pieces later, after a barrier every rank reaches only
+once it has finished reading it. A waiting rank spins briefly, then yields
+the core (oversubscribed nodes), and is watched by the stall inspector
+(:mod:`collectives.watchdog`).
 
 Reference: MPI-3.1 section 11.2.3 (shared-memory windows) and 11.7
 (the unified memory model); Li, Hoefler & Snir, "NUMA-aware shared-memory
-collective communication for MPI", HPDC 2013; Jain et al., "Optimizing
-MPI Collectives with Shared Memory", 2018 (MPICH's intra-node
-release/gather collectives follow the same pattern).
+collective communication for MPI", HPDC 2013 (replicated and sliced
+reductions); Jain et al., "Optimizing MPI Collectives with Shared Memory",
+2018 (MPICH's intra-node release/gather collectives follow the same pattern).
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ from .ops import Reduction
 
 #: Bytes of the vector one buffer holds per rank (the size of a piece).
 SEGMENT = 1 << 20
+#: Vectors up to this many bytes are reduced replicated on nodes of more than two ranks.
+REPLICATE = 64 << 10
 #: Bytes of a rank's argument header (validation's signature).
 HEADER = 48
 
@@ -170,10 +179,11 @@ class Segment:
 
 
 class _Views:
-    """One buffer's slots seen as arrays: this rank's input slot, this rank's slice
-    of every input slot, its slice of the result slot, and the whole result."""
+    """One buffer's slots seen as arrays: this rank's input slot, every rank's
+    input slot, this rank's slice of every input slot, its slice of the result
+    slot, and the whole result slot."""
 
-    __slots__ = ("mine", "slices", "out", "result")
+    __slots__ = ("mine", "inputs", "slices", "out", "result")
 
     def __init__(self, seg: Segment, turn: int, count: int, dtype: np.dtype) -> None:
         nbytes = count * dtype.itemsize
@@ -183,7 +193,8 @@ class _Views:
         bounds = chunk_bounds(count, seg.size)
         lo, hi = bounds[seg.rank], bounds[seg.rank + 1]
         self.mine = slots[seg.rank]
-        self.slices = tuple(s[lo:hi] for s in slots[:-1])
+        self.inputs = tuple(slots[:-1])
+        self.slices = tuple(s[lo:hi] for s in self.inputs)
         self.out = slots[-1][lo:hi]
         self.result = slots[-1]
 
@@ -200,6 +211,8 @@ def allreduce(x: Any, seg: Segment, red: Reduction, check: Optional[Check] = Non
     step = seg.capacity // x.itemsize
     n = x.shape[0]
     p2p.count_sent(x.nbytes)
+    replicated = seg.size == 2 or x.nbytes <= REPLICATE
+    receives = seg.rank == 0 or not root_only
     pending = None
     for off in range(0, n, step):
         part = x[off:off + step] if n > step else x
@@ -209,15 +222,25 @@ def allreduce(x: Any, seg: Segment, red: Reduction, check: Optional[Check] = Non
         if check is not None:
             check(seg)
             check = None
+        if replicated:
+            if receives:
+                _fold(red, part, v.inputs)
+            continue
         if pending is not None:
             np.copyto(*pending)
-        red.reduce_into(v.out, v.slices[0], v.slices[1])
-        for s in v.slices[2:]:
-            red.combine(v.out, s)
-        pending = (part, v.result) if seg.rank == 0 or not root_only else None
-    seg.barrier()
-    if pending is not None:
-        np.copyto(*pending)
+        _fold(red, v.out, v.slices)
+        pending = (part, v.result) if receives else None
+    if not replicated:
+        seg.barrier()
+        if pending is not None:
+            np.copyto(*pending)
+
+
+def _fold(red: Reduction, out: Any, operands: tuple[Any, ...]) -> None:
+    """Set ``out`` to the reduction of ``operands`` (two or more), left to right."""
+    red.reduce_into(out, operands[0], operands[1])
+    for a in operands[2:]:
+        red.combine(out, a)
 
 
 def broadcast(x: Any, seg: Segment) -> None:

@@ -10,7 +10,11 @@ divided by the candidate's: above 1 the candidate is faster. "vs bound" is
 the bandwidth lower bound 2(n-1)/n * size * beta (Patarasuk & Yuan; beta
 calibrated for the slowest link in use) divided by the time: 1 would be a
 perfect bandwidth-optimal algorithm with free reductions. "model" is the cost
-model's prediction (:mod:`collectives.costmodel`).
+model's prediction (:mod:`collectives.costmodel`, with the argument check as
+the run has it); ``auto`` is listed with the algorithm it chose. After the
+table a summary gives, per size, auto's time over the best fixed
+algorithm's and native's over auto's, and at the smallest and largest sizes
+the cost model's order of the algorithms against the measured one.
 
 Native MPICH allocates a temporary buffer per large call, so its time depends
 on malloc: the run reports ``GLIBC_TUNABLES`` as found, and ``--tuned-malloc``
@@ -181,10 +185,10 @@ def run(sizes: Sequence[int], names: Sequence[str], dtype: str = "float32", repe
         r.vs_native = native / r.time
         r.vs_bound = costmodel.model_bound(r.size, n, beta) / r.time
         if r.algorithm == "auto":
-            choice = collectives.explain(r.size, comm, device=device)
+            choice = collectives.explain(r.size, comm, device=device, validate=validate)
             r.chosen, r.predicted = choice.algorithm, choice.predictions[choice.algorithm]
         elif r.algorithm in costmodel.MODELS:
-            r.predicted = costmodel.predict(r.algorithm, r.size, lay, prm)
+            r.predicted = costmodel.predict(r.algorithm, r.size, lay, prm, validate=validate)
     return results
 
 

@@ -13,7 +13,7 @@ import collectives
 from allreduce_matrix import available_dtypes, check
 from collectives import ArgumentError, p2p, shm
 from collectives.context import context
-from mpitest import all_ok, comm_of_size, gather_failures
+from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
 
 pytestmark = pytest.mark.mpi
 
@@ -23,11 +23,14 @@ def fresh(size: int) -> MPI.Intracomm:
     return comm_of_size(size).Dup()
 
 
+@pytest.mark.parametrize("replicate", [shm.REPLICATE, 0])
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_pieces_and_their_boundaries(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pieces_and_their_boundaries(size: int, replicate: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Long vectors go through the segment in pieces: make pieces 24 bytes, so
-    every length below spans several, with odd tails and empty slices."""
+    every length below spans several, with odd tails and empty slices; and
+    reduce them replicated (small vectors, two ranks) and sliced."""
     monkeypatch.setattr(shm, "SEGMENT", 24)
+    monkeypatch.setattr(shm, "REPLICATE", replicate)
     comm = fresh(size)
     try:
         failures = check(comm, ["shm"], available_dtypes(), ["sum", "max", "prod"], [1, 2, 5, 17, 100])
@@ -37,6 +40,14 @@ def test_pieces_and_their_boundaries(size: int, monkeypatch: pytest.MonkeyPatch)
         comm.Free()
     failures = gather_failures(MPI.COMM_WORLD, failures)
     assert all_ok(MPI.COMM_WORLD, not failures), "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("layout", [None, "2", "4,2"])
+def test_pieces_on_six_ranks(layout: str | None) -> None:
+    """Sliced pieces on a node of six ranks, and on emulated nodes of several."""
+    args = ["tests/allreduce_matrix.py", "--algorithms", "shm", "--shm-piece", "40"]
+    proc = on_rank0_quietly(mpiexec, 6, args + (["--layout", layout] if layout else []), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
 def one_rank_differs(comm: MPI.Comm, good, bad):
