@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from . import (butterfly, costmodel, gpu, halving_doubling, hierarchical_ring, hierarchy, reduce_broadcast,
                p2p, ring, shm, torus2d, validation)
-from .buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code
+from .buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code, host_view
 from .context import Context, context
 from .errors import ArgumentError
 from .layout import Layout, RanksPerNode
@@ -174,9 +174,9 @@ class _Call:
         self.carrier: Optional[shm.Segment] = None
         self.fuse = False
 
-    def __call__(self, flat: FlatBuffer) -> None:
-        """All-reduce ``flat`` in place (finished, e.g. averaged)."""
-        x, red, seg = flat.data, self.red, self.carrier
+    def __call__(self, x: Any) -> None:
+        """All-reduce the flat array ``x`` in place (finished, e.g. averaged)."""
+        red, seg = self.red, self.carrier
         if seg is not None:  # the check rides in the shared segment
             seg.post(self.header)
             shm.allreduce(x, seg, red, self.verify)
@@ -185,7 +185,7 @@ class _Call:
                                                       x if self.fuse else None, red)
             if not done and x.shape[0]:
                 if type(x) is not np.ndarray:
-                    gpu.ensure(self.ctx.comm, flat)
+                    gpu.ensure(self.ctx.comm, FlatBuffer(x, red.dtype, x))
                 (self.run or self.bind(x))(x, red)
         red.finalize(x, self.ctx.size)
 
@@ -241,11 +241,15 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
         ArgumentError: invalid or disagreeing arguments; with validation on,
             raised on every rank before any data moved (``buf`` untouched).
     """
-    ctx = context(_WORLD if comm is None else comm)
+    user = _WORLD if comm is None else comm
+    ctx = context(user)
     check = validation.enabled(validate)
     try:
-        flat = as_flat(buf)
-        key = (algorithm, op, flat.dtype, flat.data.nbytes, type(flat.data), check, layout, grid)
+        if type(buf) is np.ndarray:
+            x, dtype = host_view(buf)
+        else:
+            x, dtype, _ = as_flat(buf)
+        key = (algorithm, op, dtype, x.nbytes, type(x), check, layout, grid)
         try:
             call = ctx.calls.get(key)
         except TypeError:  # an unhashable layout or grid (a list): key by its text
@@ -254,15 +258,14 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
         if call is None:
             if len(ctx.calls) >= _CALLS:
                 ctx.calls.clear()
-            call = ctx.calls[key] = _Call(ctx, _WORLD if comm is None else comm, algorithm, op, flat, layout,
-                                          grid, check)
+            call = ctx.calls[key] = _Call(ctx, user, algorithm, op, FlatBuffer(x, dtype, buf), layout, grid, check)
     except ArgumentError as problem:
         p2p.operation(f"allreduce({algorithm!r})")
         if check:
             validation.check(ctx, "allreduce", problem, (), _field_names)
         raise
     p2p.operation(call.operation)
-    call(flat)
+    call(x)
     return buf
 
 

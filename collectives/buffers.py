@@ -120,7 +120,13 @@ def check_layout(contiguous: bool, writable: bool, what: str) -> None:
         raise ArgumentError(f"{what} is read-only; collectives reduce in place and need a writable buffer")
 
 
-def _from_numpy(arr: np.ndarray, owner: Any) -> FlatBuffer:
+def host_view(arr: np.ndarray) -> tuple[np.ndarray, str]:
+    """A numpy array as a 1-D view of its memory and its dtype name, as in
+    :func:`as_flat` but without the :class:`FlatBuffer` (the all-reduce's hot path).
+
+    Raises:
+        ArgumentError: as :func:`as_flat`.
+    """
     name = _NUMPY_NAMES.get(arr.dtype)
     flags = arr.flags
     if name is None or not flags.c_contiguous or not flags.writeable:
@@ -129,7 +135,12 @@ def _from_numpy(arr: np.ndarray, owner: Any) -> FlatBuffer:
             raise ArgumentError(f"{what} has non-native byte order; convert it with .astype(dtype.newbyteorder('='))")
         check_dtype(arr.dtype.name, what)
         check_layout(flags.c_contiguous, flags.writeable, what)
-    return FlatBuffer(arr if arr.ndim == 1 else arr.reshape(-1), name, owner)
+    return arr if arr.ndim == 1 else arr.reshape(-1), name
+
+
+def _from_numpy(arr: np.ndarray, owner: Any) -> FlatBuffer:
+    data, name = host_view(arr)
+    return FlatBuffer(data, name, owner)
 
 
 def _from_cpu_tensor(t: Any) -> FlatBuffer:

@@ -290,6 +290,9 @@ _SMALL, _LARGE = 8, 4 << 20
 def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Params:
     """Measure the parameters on ``comm`` (collective; about a second).
 
+    Every timing is repeated and the least kept: on a busy machine the least
+    is the one that other processes disturbed least.
+
     alpha and beta come from timed exchanges (both ranks send at once, as the
     algorithms do) of 8 B and 4 MiB between two ranks of one node and between
     the first ranks of two nodes; gamma from a timed in-place float32 sum of
@@ -322,14 +325,14 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
         times = {}
         for nbytes in (_SMALL, _LARGE):
             samples = []
-            for _ in range(repeat if nbytes == _SMALL else max(3, repeat // 3)):
+            for _ in range(repeat):
                 comm.Barrier()
                 if pair is not None and rank in pair:
                     peer = pair[1] if rank == pair[0] else pair[0]
                     t0 = time.perf_counter()
                     sendrecv(comm, a[:nbytes], peer, b[:nbytes], peer)
                     samples.append(time.perf_counter() - t0)
-            times[nbytes] = float(np.median(samples)) if samples else 0.0
+            times[nbytes] = min(samples) if samples else 0.0
         if pair is None:
             return None
         t_small, t_large = comm.bcast(times if rank == pair[0] else None, root=pair[0]).values()
@@ -344,13 +347,13 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
             if seg is not None:
                 _shm.allreduce(v, seg, red)  # warm-up: the segment's pages are touched
             samples = []
-            for _ in range(repeat if nbytes == _SMALL else max(3, repeat // 3)):
+            for _ in range(repeat):
                 comm.Barrier()
                 t0 = time.perf_counter()
                 if seg is not None:
                     _shm.allreduce(v, seg, red)
                 samples.append(time.perf_counter() - t0)
-            times.append(comm.allreduce(float(np.median(samples)) if seg is not None else 0.0, op=MPI.MAX))
+            times.append(comm.allreduce(min(samples) if seg is not None else 0.0, op=MPI.MAX))
         if not times[0]:
             return None
         q = max(lay.ranks_per_node)
@@ -369,7 +372,7 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
         xp.add(x, y, out=x)
         sync()
         samples.append(time.perf_counter() - t0)
-    gamma = comm.allreduce(float(np.median(samples)) / _LARGE, op=MPI.MAX)
+    gamma = comm.allreduce(min(samples) / _LARGE, op=MPI.MAX)
     empty = np.zeros(0, np.float32)
     samples = []
     for _ in range(repeat):
@@ -377,7 +380,7 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
         t0 = time.perf_counter()
         api.allreduce(empty, user, algorithm="ring", validate=False)
         samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    overhead = float(np.median(samples))
+    overhead = min(samples)
     defaults = Params()
     ai, bi = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra)
     ae, be = measured_inter or (ai, bi)

@@ -71,6 +71,22 @@ def test_shared_memory_form(p: int, monkeypatch: pytest.MonkeyPatch) -> None:
     assert costmodel.shm(prm, Layout((0, 1)), N) == pytest.approx(leaders)  # one rank per node: the ring alone
 
 
+def test_check_costs_nothing_where_it_rides_along() -> None:
+    from collectives.validation import FUSE_LIMIT
+
+    prm = Params(alpha_intra=A, beta_intra=B, alpha_inter=10 * A, beta_inter=10 * B, gamma=G, overhead=0.0,
+                 alpha_shm=A / 3)
+    node, nodes = one_node(4), Layout((0, 0, 1, 1, 2))
+    assert costmodel.check_cost("shm", N, node, prm) == 0.0
+    assert costmodel.check_cost("ring", N, node, prm) == pytest.approx(A / 3)  # one shared-memory barrier
+    assert costmodel.check_cost("butterfly", FUSE_LIMIT, nodes, prm) == 0.0  # the data rides in the check
+    header_exchange = 10 * A + 2 * 48 * 10 * B
+    assert costmodel.check_cost("butterfly", FUSE_LIMIT + 1, nodes, prm) == pytest.approx(3 * header_exchange)
+    assert costmodel.check_cost("shm", 64, nodes, prm) == pytest.approx(3 * header_exchange)
+    ring = costmodel.predict("ring", N, node, prm)
+    assert costmodel.predict("ring", N, node, prm, validate=True) == pytest.approx(ring + A / 3)
+
+
 def test_choice_orders_latency_and_bandwidth() -> None:
     lay = one_node(8)
     passing = [name for name in costmodel.MODELS if name != "shm"]
@@ -113,7 +129,8 @@ def test_model_file_is_loaded_not_measured(tmp_path_factory, monkeypatch: pytest
     monkeypatch.setattr(costmodel, "calibrate", lambda *a, **k: pytest.fail("re-measured"))
     sub = comm.Dup()
     try:
-        assert collectives.explain(1 << 20, sub).predictions == costmodel.choose(
-            1 << 20, collectives.layout.layout(sub), FLAT).predictions
+        for validate in (False, True):
+            assert collectives.explain(1 << 20, sub, validate=validate).predictions == costmodel.choose(
+                1 << 20, collectives.layout.layout(sub), FLAT, validate=validate).predictions
     finally:
         sub.Free()
