@@ -294,11 +294,14 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     is the one that other processes disturbed least.
 
     alpha and beta come from timed exchanges (both ranks send at once, as the
-    algorithms do) of 8 B and 4 MiB between two ranks of one node and between
-    the first ranks of two nodes; gamma from a timed in-place float32 sum of
-    4 MiB; overhead from an unchecked all-reduce of an empty buffer; alpha_shm and
-    beta_shm from the shared-memory algorithm on 8 B and 4 MiB, every node at
-    once (host buffers only: it does not run on device buffers). Parameters
+    algorithms do) between two ranks of one node and between the first ranks
+    of two nodes: alpha is one 8-byte step as the algorithms take it (send,
+    receive and combine, the Python around the message included, as
+    alpha_shm includes it), beta the slope between plain 8 B and 4 MiB
+    exchanges; gamma from a timed in-place float32 sum of 4 MiB; overhead
+    from an unchecked all-reduce of an empty buffer; alpha_shm and beta_shm
+    from the shared-memory algorithm on 8 B and 4 MiB, every node at once
+    (host buffers only: it does not run on device buffers). Parameters
     that the layout cannot measure (no two ranks on one node, or one node)
     are taken from the other link class, or the defaults. ``xp`` = cupy
     measures device buffers (through the device transport in use), whose
@@ -306,6 +309,7 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     """
     from . import api
     from .context import context
+    from .exchange import sendrecv_combine
     from .p2p import sendrecv
 
     user, ctx = comm, context(comm)
@@ -321,22 +325,27 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     b = xp.zeros(_LARGE, np.uint8)
     sync = xp.cuda.get_current_stream().synchronize if xp is not np else (lambda: None)
 
+    step = a[:_SMALL].view(np.float32)
+    add = reduction("sum", "float32", xp)
+
     def exchange(pair: Optional[tuple[int, int]]) -> Optional[tuple[float, float]]:
+        kinds = {"step": lambda peer: sendrecv_combine(comm, step, peer, step, peer, add, peer < rank, step.shape[0]),
+                 "small": lambda peer: sendrecv(comm, a[:_SMALL], peer, b[:_SMALL], peer),
+                 "large": lambda peer: sendrecv(comm, a, peer, b, peer)}
         times = {}
-        for nbytes in (_SMALL, _LARGE):
+        for kind, run in kinds.items():
             samples = []
             for _ in range(repeat):
                 comm.Barrier()
                 if pair is not None and rank in pair:
-                    peer = pair[1] if rank == pair[0] else pair[0]
                     t0 = time.perf_counter()
-                    sendrecv(comm, a[:nbytes], peer, b[:nbytes], peer)
+                    run(pair[1] if rank == pair[0] else pair[0])
                     samples.append(time.perf_counter() - t0)
-            times[nbytes] = min(samples) if samples else 0.0
+            times[kind] = min(samples) if samples else 0.0
         if pair is None:
             return None
-        t_small, t_large = comm.bcast(times if rank == pair[0] else None, root=pair[0]).values()
-        return t_small, max((t_large - t_small) / (_LARGE - _SMALL), 1e-13)
+        t = comm.bcast(times if rank == pair[0] else None, root=pair[0])
+        return t["step"], max((t["large"] - t["small"]) / (_LARGE - _SMALL), 1e-13)
 
     def shared_memory() -> Optional[tuple[float, float]]:
         seg = _shm.node_segment(ctx, lay) if xp is np and _shm.capable(ctx, lay) else None
