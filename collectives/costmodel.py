@@ -284,7 +284,7 @@ def choose(nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None,
 
 # --- calibration --------------------------------------------------------------
 
-_SMALL, _LARGE = 8, 4 << 20
+_SMALL, _LARGE = 8, 16 << 20
 
 
 def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Params:
@@ -293,14 +293,16 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     Every timing is repeated and the least kept: on a busy machine the least
     is the one that other processes disturbed least.
 
-    alpha and beta come from timed exchanges (both ranks send at once, as the
-    algorithms do) between two ranks of one node and between the first ranks
-    of two nodes: alpha is one 8-byte step as the algorithms take it (send,
-    receive and combine, the Python around the message included, as
-    alpha_shm includes it), beta the slope between plain 8 B and 4 MiB
-    exchanges; gamma from a timed in-place float32 sum of 4 MiB; overhead
+    alpha, beta and gamma come from timed exchanges (both ranks send at once,
+    as the algorithms do) between two ranks of one node and between the first
+    ranks of two nodes: alpha is one 8-byte step as the algorithms take it
+    (send, receive and combine, the Python around the message included, as
+    alpha_shm includes it), beta the slope between plain 8 B and 16 MiB
+    exchanges, gamma what a 16 MiB reducing step (received in segments and
+    combined, :func:`collectives.exchange.sendrecv_combine`) costs per byte
+    beyond a plain exchange (inside a node if it has two ranks); overhead
     from an unchecked all-reduce of an empty buffer; alpha_shm and beta_shm
-    from the shared-memory algorithm on 8 B and 4 MiB, every node at once
+    from the shared-memory algorithm on 8 B and 16 MiB, every node at once
     (host buffers only: it does not run on device buffers). Parameters
     that the layout cannot measure (no two ranks on one node, or one node)
     are taken from the other link class, or the defaults. ``xp`` = cupy
@@ -323,13 +325,14 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     inter = (lay.members(0)[0], lay.members(1)[0]) if lay.nodes > 1 else None
     a = xp.zeros(_LARGE, np.uint8)
     b = xp.zeros(_LARGE, np.uint8)
-    sync = xp.cuda.get_current_stream().synchronize if xp is not np else (lambda: None)
-
-    step = a[:_SMALL].view(np.float32)
+    floats = a.view(np.float32)
     add = reduction("sum", "float32", xp)
 
-    def exchange(pair: Optional[tuple[int, int]]) -> Optional[tuple[float, float]]:
-        kinds = {"step": lambda peer: sendrecv_combine(comm, step, peer, step, peer, add, peer < rank, step.shape[0]),
+    def combining(n: int) -> Callable[[int], None]:
+        return lambda peer: sendrecv_combine(comm, floats[:n], peer, floats[:n], peer, add, peer < rank, n)
+
+    def exchange(pair: Optional[tuple[int, int]]) -> Optional[tuple[float, float, float]]:
+        kinds = {"step": combining(_SMALL // 4), "reduce": combining(_LARGE // 4),
                  "small": lambda peer: sendrecv(comm, a[:_SMALL], peer, b[:_SMALL], peer),
                  "large": lambda peer: sendrecv(comm, a, peer, b, peer)}
         times = {}
@@ -345,7 +348,9 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
         if pair is None:
             return None
         t = comm.bcast(times if rank == pair[0] else None, root=pair[0])
-        return t["step"], max((t["large"] - t["small"]) / (_LARGE - _SMALL), 1e-13)
+        moved = t["large"] - t["small"]
+        return (t["step"], max(moved / (_LARGE - _SMALL), 1e-13),
+                max((t["reduce"] - t["step"] - moved) / (_LARGE - _SMALL), 1e-13))
 
     def shared_memory() -> Optional[tuple[float, float]]:
         seg = _shm.node_segment(ctx, lay) if xp is np and _shm.capable(ctx, lay) else None
@@ -372,16 +377,6 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     measured_intra = exchange(intra)
     measured_inter = exchange(inter)
     measured_shm = shared_memory()
-    x = xp.ones(_LARGE // 4, np.float32)
-    y = xp.ones(_LARGE // 4, np.float32)
-    samples = []
-    for _ in range(5):
-        sync()
-        t0 = time.perf_counter()
-        xp.add(x, y, out=x)
-        sync()
-        samples.append(time.perf_counter() - t0)
-    gamma = comm.allreduce(min(samples) / _LARGE, op=MPI.MAX)
     empty = np.zeros(0, np.float32)
     samples = []
     for _ in range(repeat):
@@ -391,8 +386,8 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
         samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     overhead = min(samples)
     defaults = Params()
-    ai, bi = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra)
-    ae, be = measured_inter or (ai, bi)
+    ai, bi, gamma = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra, defaults.gamma)
+    ae, be, _ = measured_inter or (ai, bi, gamma)
     a_shm, b_shm = measured_shm or (defaults.alpha_shm, defaults.beta_shm)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     memory = "host" if xp is np else "device"
