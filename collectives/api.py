@@ -153,7 +153,7 @@ class _Call:
     """
 
     __slots__ = ("ctx", "request", "algorithm", "red", "signature", "header", "validate", "operation",
-                 "run", "carrier", "fuse")
+                 "average", "run", "carrier", "fuse")
 
     def __init__(self, ctx: Context, comm: MPI.Comm, algorithm: str, op: str, flat: FlatBuffer,
                  layout: RanksPerNode, grid: Optional[tuple[int, int]], validate: bool) -> None:
@@ -170,6 +170,7 @@ class _Call:
         self.signature = (flat.size, dtype_code(flat), validation.code(op), validation.code(algorithm), options)
         self.header = validation.header(None, self.signature)
         self.operation = f"allreduce(algorithm={algorithm!r})"
+        self.average = op == "avg"
         self.run: Optional[Run] = None
         self.carrier: Optional[shm.Segment] = None
         self.fuse = False
@@ -180,14 +181,14 @@ class _Call:
         if seg is not None:  # the check rides in the shared segment
             seg.post(self.header)
             shm.allreduce(x, seg, red, self.verify)
-        else:
-            done = self.validate and validation.check(self.ctx, "allreduce", None, self.signature, _field_names,
-                                                      x if self.fuse else None, red)
-            if not done and x.shape[0]:
+        elif not self.validate or not validation.check(self.ctx, "allreduce", None, self.signature, _field_names,
+                                                       x if self.fuse else None, red):
+            if x.shape[0]:
                 if type(x) is not np.ndarray:
                     gpu.ensure(self.ctx.comm, FlatBuffer(x, red.dtype, x))
                 (self.run or self.bind(x))(x, red)
-        red.finalize(x, self.ctx.size)
+        if self.average:
+            red.finalize(x, self.ctx.size)
 
     def verify(self, seg: shm.Segment) -> None:
         """The check riding in the shared segment: every rank's header against this one."""

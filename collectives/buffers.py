@@ -129,7 +129,7 @@ def host_view(arr: np.ndarray) -> tuple[np.ndarray, str]:
     """
     name = _NUMPY_NAMES.get(arr.dtype)
     flags = arr.flags
-    if name is None or not flags.c_contiguous or not flags.writeable:
+    if name is None or not flags.carray and not (flags.c_contiguous and flags.writeable):  # carray: the common case
         what = f"numpy array (dtype {arr.dtype}, shape {arr.shape})"
         if not arr.dtype.isnative:
             raise ArgumentError(f"{what} has non-native byte order; convert it with .astype(dtype.newbyteorder('='))")

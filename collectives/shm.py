@@ -217,7 +217,7 @@ def allreduce(x: Any, seg: Segment, red: Reduction, check: Optional[Check] = Non
     for off in range(0, n, step):
         part = x[off:off + step] if n > step else x
         v = seg.views(part.shape[0], part.dtype)
-        np.copyto(v.mine, part)
+        v.mine[:] = part  # slice assignment: cheaper per call than np.copyto
         seg.barrier()
         if check is not None:
             check(seg)
@@ -227,13 +227,13 @@ def allreduce(x: Any, seg: Segment, red: Reduction, check: Optional[Check] = Non
                 _fold(red, part, v.inputs)
             continue
         if pending is not None:
-            np.copyto(*pending)
+            pending[0][:] = pending[1]  # copy-out: (vector part, result slot)
         _fold(red, v.out, v.slices)
         pending = (part, v.result) if receives else None
     if not replicated:
         seg.barrier()
         if pending is not None:
-            np.copyto(*pending)
+            pending[0][:] = pending[1]  # copy-out: (vector part, result slot)
 
 
 def _fold(red: Reduction, out: Any, operands: tuple[Any, ...]) -> None:
@@ -254,10 +254,10 @@ def broadcast(x: Any, seg: Segment) -> None:
         part = x[off:off + step] if n > step else x
         v = seg.views(part.shape[0], part.dtype)
         if root:
-            np.copyto(v.result, part)
+            v.result[:] = part
         seg.barrier()
         if not root:
-            np.copyto(part, v.result)
+            part[:] = v.result
 
 
 def hierarchical(x: Any, seg: Optional[Segment], leaders: MPI.Comm, red: Reduction) -> None:
