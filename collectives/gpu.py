@@ -23,6 +23,9 @@ claim support and then fail or return garbage. Only if every rank passes does
 the path become ``direct``; otherwise it stays ``staged`` with one warning.
 ``MPIDL_GPU_DIRECT=0`` forces staging; ``=1`` skips the library query (the
 probe still runs).
+
+Host-only algorithms (the shared-memory all-reduce) run on a host copy of a
+device buffer (:func:`on_host`).
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ or half-runs: a set flag makes every rank gather the signatures once more
 and raise the same :class:`ArgumentError`, naming the ranks and values, with
 the caller's buffer untouched.
 
-For the butterfly on small vectors (up to :data:`FUSE_LIMIT` bytes) on such
-communicators the data rides in the same messages, after the header, and is combined in scratch
-space; it is copied to the caller's buffer only if the final flag is clear.
-So the check costs no extra message there; elsewhere it costs lg p small
-exchanges before the algorithm runs.
+For the butterfly on small vectors (up to :data:`FUSE_LIMIT` bytes) on those
+communicators the data rides in the same messages, after the header, and is
+combined in scratch space; it is copied to the caller's buffer only if the
+final flag is clear. So the check costs no extra message there; elsewhere it
+costs lg p small exchanges before the algorithm runs.
 
 Checking is on by default; pass ``validate=False``, call
 :func:`set_default`, or set ``MPIDL_VALIDATE=0`` before start-up to skip it,
