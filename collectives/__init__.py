@@ -3,7 +3,7 @@
 ``allreduce(buf, comm, op, algorithm)`` reduces a numpy array or torch tensor
 in place; :data:`ALGORITHMS` names the algorithms, each in its own module
 (``ring``, ``halving_doubling``, ``butterfly``, ``reduce_broadcast``,
-``hierarchical_ring``, ``torus2d``) whose kernel is public for composition, as
+``hierarchical_ring``, ``torus2d``, ``shm``) whose kernel is public for composition, as
 are the ring's ``reduce_scatter`` and ``allgather``; "auto" picks one with the
 cost model (:mod:`collectives.costmodel`), and :func:`explain` says which and
 why. ``broadcast(buf, comm)`` copies rank 0's buffer to every rank.

@@ -1,10 +1,18 @@
 """The all-reduce entry point, the registry of algorithms, and ``auto``.
 
-A call resolves the caller's buffer, op and algorithm, checks them across
-ranks (:mod:`collectives.validation`), then runs a *plan*: the algorithm bound
-to the communicators it needs. Plans are built once per (communicator,
-algorithm, layout, grid) and cached, so sub-communicators are never created
-per call.
+A call's arguments (communicator, algorithm, op, dtype, length, memory,
+options, validation) are resolved once into a :class:`_Call` — the
+reduction, the argument signature, the plan — cached on the communicator's
+context, so a repeated call costs a few dictionary lookups before data moves.
+The call checks the arguments across ranks (:mod:`collectives.validation`)
+and runs a *plan*: the algorithm bound to the communicators it needs. Plans
+are built once per (communicator, algorithm, layout, grid), after a check has
+passed (building may create sub-communicators, allocate shared memory or
+calibrate the cost model: collective), so nothing of the kind happens per call.
+
+Once the plan exists the check rides with the data where it can: in the
+shared segment when the shared-memory algorithm runs on one node, in the
+messages of small butterfly all-reduces on communicators that span nodes.
 """
 
 from __future__ import annotations
@@ -18,11 +26,11 @@ import numpy as np
 from mpi4py import MPI
 
 from . import (butterfly, costmodel, gpu, halving_doubling, hierarchical_ring, hierarchy, reduce_broadcast,
-               p2p, ring, torus2d, validation)
-from .buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code
+               p2p, ring, shm, torus2d, validation)
+from .buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code, host_view
 from .context import Context, context
 from .errors import ArgumentError
-from .layout import RanksPerNode
+from .layout import Layout, RanksPerNode
 from .layout import layout as node_layout
 from .ops import OPS, Reduction, reduction
 
@@ -67,27 +75,51 @@ def _plan_torus2d(req: Request) -> Run:
     return lambda x, red: torus2d.allreduce(x, row, col, red)
 
 
+class _Shm:
+    """The "shm" plan: one node's ranks reduce in shared memory; several nodes add a
+    ring among the node leaders (:func:`collectives.shm.hierarchical`). Device
+    arrays are staged through host memory."""
+
+    def __init__(self, req: Request) -> None:
+        lay = node_layout(req.comm, req.layout)
+        if not shm.capable(req.ctx, lay):
+            raise ArgumentError(f"algorithm 'shm': the layout {lay} groups ranks that share no memory")
+        self.seg = shm.node_segment(req.ctx, lay)
+        self.leaders = hierarchy.node_comms(req.ctx, lay)[1] if lay.nodes > 1 else None
+
+    def __call__(self, x: Any, red: Reduction) -> None:
+        if type(x) is not np.ndarray:
+            gpu.on_host(x, lambda host: self(host, reduction(red.op, red.dtype)))
+        elif self.leaders is not None:
+            shm.hierarchical(x, self.seg, self.leaders, red)
+        elif self.seg is not None:
+            shm.allreduce(x, self.seg, red)
+
+    def carrier(self, ctx: Context) -> Optional[shm.Segment]:
+        """The segment in which host arrays can be reduced with the check riding
+        along: on one node of all of ``ctx``'s ranks, the segment the check uses."""
+        return self.seg if self.leaders is None and self.seg is shm.shared(ctx) else None
+
+
 class _Auto:
     """The "auto" plan: per buffer size (and memory), the algorithm the cost model predicts fastest."""
 
     def __init__(self, req: Request) -> None:
         self.req = req
         self.layout = node_layout(req.comm, req.layout)
-        self.runs = {name: ALGORITHMS[name](req) for name in costmodel.MODELS}
-        self.chosen: dict[tuple[int, Any], str] = {}
-        self.params(np)  # calibrate for host buffers now, while every rank is here
+        self.runs = {name: ALGORITHMS[name](req) for name in _candidates(req.ctx, self.layout, np)}
+        self.chosen: dict[tuple[int, Any, bool], str] = {}
+        costmodel.params_for(req.comm, self.layout, req.ctx.cache)  # calibrate now, while every rank is here
 
-    def params(self, xp: Any) -> costmodel.Params:
-        """The cost-model parameters for buffers of array module ``xp`` (collective on first use)."""
-        return costmodel.params_for(self.req.comm, self.layout, self.req.ctx.cache, xp)
-
-    def algorithm_for(self, nbytes: int, xp: Any = np) -> str:
-        """The algorithm run for ``nbytes`` of ``xp`` memory (chosen once per size, logged at DEBUG)."""
-        name = self.chosen.get((nbytes, xp))
+    def algorithm_for(self, nbytes: int, xp: Any = np, validate: bool = False) -> str:
+        """The algorithm run for ``nbytes`` of ``xp`` memory, with or without the
+        argument check (chosen once per case, logged at DEBUG; collective on
+        first use for device memory: it calibrates)."""
+        name = self.chosen.get((nbytes, xp, validate))
         if name is None:
-            choice = costmodel.choose(nbytes, self.layout, self.params(xp), self.req.grid)
+            choice = _choose(self.req.ctx, self.req.comm, self.layout, nbytes, self.req.grid, xp, validate)
             log.debug("%s", choice.reason)
-            name = self.chosen[nbytes, xp] = choice.algorithm
+            name = self.chosen[nbytes, xp, validate] = choice.algorithm
         return name
 
     def __call__(self, x: Any, red: Reduction) -> None:
@@ -103,11 +135,84 @@ ALGORITHMS: dict[str, Planner] = {
     "reduce_broadcast": _flat(reduce_broadcast.allreduce),
     "hierarchical_ring": _plan_hierarchical_ring,
     "torus2d": _plan_torus2d,
+    "shm": _Shm,
     "auto": _Auto,
 }
 
 DEFAULT_ALGORITHM = "auto"
-_OPERATION = {name: f"allreduce(algorithm={name!r})" for name in ALGORITHMS}
+_WORLD = MPI.COMM_WORLD
+_CALLS = 512  # resolved calls kept per communicator
+
+
+class _Call:
+    """One all-reduce call's arguments on one communicator, resolved.
+
+    Built locally (no communication): raises ArgumentError for a bad op,
+    algorithm, layout or grid. The plan is bound on the first run, after the
+    check (collective), with the way the check can ride along from then on.
+    """
+
+    __slots__ = ("ctx", "request", "algorithm", "red", "signature", "header", "agreed", "validate", "operation",
+                 "average", "run", "carrier", "fuse")
+
+    def __init__(self, ctx: Context, comm: MPI.Comm, algorithm: str, op: str, flat: FlatBuffer,
+                 layout: RanksPerNode, grid: Optional[tuple[int, int]], validate: bool) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+        self.red = reduction(op, flat.dtype, array_module(flat.data))
+        if layout is not None:
+            node_layout(comm, layout)  # an override is parsed locally: no communication
+        if grid is not None:
+            hierarchy.check_grid(grid, comm.Get_size())
+        options = 0 if layout is None and grid is None else validation.code(repr((layout, grid)))
+        self.ctx, self.algorithm, self.validate = ctx, algorithm, validate
+        self.request = Request(comm, ctx, layout, grid)
+        self.signature = (flat.size, dtype_code(flat), validation.code(op), validation.code(algorithm), options)
+        self.header = validation.header(None, self.signature)
+        self.agreed = self.header * ctx.size  # every rank's header when all agree
+        self.operation = f"allreduce(algorithm={algorithm!r})"
+        self.average = op == "avg"
+        self.run: Optional[Run] = None
+        self.carrier: Optional[shm.Segment] = None
+        self.fuse = False
+
+    def __call__(self, x: Any) -> None:
+        """All-reduce the flat array ``x`` in place (finished, e.g. averaged)."""
+        red, seg = self.red, self.carrier
+        if seg is not None:  # the check rides in the shared segment
+            seg.post(self.header)
+            shm.allreduce(x, seg, red, self.verify)
+        elif not self.validate or not validation.check(self.ctx, "allreduce", None, self.signature, _field_names,
+                                                       x if self.fuse else None, red):
+            if x.shape[0]:
+                if type(x) is not np.ndarray:
+                    gpu.ensure(self.ctx.comm, FlatBuffer(x, red.dtype, x))
+                (self.run or self.bind(x))(x, red)
+        if self.average:
+            red.finalize(x, self.ctx.size)
+
+    def verify(self, seg: shm.Segment) -> None:
+        """The check riding in the shared segment: every rank's header against this one."""
+        headers = seg.headers()
+        if headers != self.agreed:
+            validation.verify(self.ctx, "allreduce", None, self.signature, _field_names, headers)
+
+    def bind(self, x: Any) -> Run:
+        """Build (or find) the plan, collectively, and note how the check can ride along."""
+        ctx, req = self.ctx, self.request
+        key = ("plan", self.algorithm, repr((req.layout, req.grid)))
+        plan = ctx.cache.get(key)
+        if plan is None:
+            plan = ctx.cache[key] = ALGORITHMS[self.algorithm](req)
+        name, run = self.algorithm, plan
+        if isinstance(plan, _Auto):
+            name = plan.algorithm_for(x.nbytes, np if type(x) is np.ndarray else array_module(x), self.validate)
+            run = plan.runs[name]
+        if self.validate and type(x) is np.ndarray and ctx.size > 1:
+            self.carrier = run.carrier(ctx) if isinstance(run, _Shm) else None
+            self.fuse = name == "butterfly" and x.nbytes <= validation.FUSE_LIMIT and shm.shared(ctx) is None
+        self.run = run
+        return run
 
 
 def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
@@ -125,8 +230,9 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
         op: one of "sum", "avg", "min", "max", "prod" ("avg" needs floats).
         algorithm: a name in :data:`ALGORITHMS`; "auto" picks by the cost
             model (:func:`explain` says what and why).
-        validate: check arguments for agreement across ranks first (one small
-            all-gather). None uses the default (on unless ``MPIDL_VALIDATE=0``).
+        validate: check arguments for agreement across ranks first (a header
+            exchange, through shared memory where all ranks share a node).
+            None uses the default (on unless ``MPIDL_VALIDATE=0``).
         layout: ranks per node, overriding detection, for the topology-aware
             algorithms and "auto": one number or node sizes ("3,1").
         grid: (X, Y) for "torus2d", X * Y == number of ranks; default from
@@ -139,30 +245,31 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
         ArgumentError: invalid or disagreeing arguments; with validation on,
             raised on every rank before any data moved (``buf`` untouched).
     """
-    user = MPI.COMM_WORLD if comm is None else comm
+    user = _WORLD if comm is None else comm
     ctx = context(user)
-    p2p.operation(_OPERATION.get(algorithm) or f"allreduce({algorithm!r})")
-    flat, red, problem = _prepare(buf, op, algorithm, user, layout, grid)
-    reduced = False
-    if validation.enabled(validate):
-        options = 0 if layout is None and grid is None else validation.code(repr((layout, grid)))
-        signature = (0, 0, 0, 0, 0) if problem else (
-            flat.size, dtype_code(flat), validation.code(op), validation.code(algorithm), options)
-        fuse = problem is None and _fusable(ctx, flat, (algorithm, layout, grid))
-        reduced = validation.check(ctx, "allreduce", problem, signature, _field_names,
-                                   flat.data if fuse else None, red)
-    elif problem:
-        raise problem
-    if type(flat.data) is not np.ndarray:
-        gpu.ensure(ctx.comm, flat)
-    if flat.size:
-        if not reduced:
-            key = (algorithm, layout, grid)
-            run = ctx.cache.get(key)
-            if run is None:
-                run = ctx.cache[key] = ALGORITHMS[algorithm](Request(user, ctx, layout, grid))
-            run(flat.data, red)
-        red.finalize(flat.data, ctx.size)
+    check = validation.enabled(validate)
+    try:
+        if type(buf) is np.ndarray:
+            x, dtype = host_view(buf)
+        else:
+            x, dtype, _ = as_flat(buf)
+        key = (algorithm, op, dtype, x.nbytes, type(x), check, layout, grid)
+        try:
+            call = ctx.calls.get(key)
+        except TypeError:  # an unhashable layout or grid (a list): key by its text
+            key = repr(key)
+            call = ctx.calls.get(key)
+        if call is None:
+            if len(ctx.calls) >= _CALLS:
+                ctx.calls.clear()
+            call = ctx.calls[key] = _Call(ctx, user, algorithm, op, FlatBuffer(x, dtype, buf), layout, grid, check)
+    except ArgumentError as problem:
+        p2p.operation(f"allreduce({algorithm!r})")
+        if check:
+            validation.check(ctx, "allreduce", problem, (), _field_names)
+        raise
+    p2p.operation(call.operation)
+    call(x)
     return buf
 
 
@@ -173,7 +280,7 @@ def broadcast(buf: Any, comm: Optional[MPI.Comm] = None, *, validate: Optional[b
     ceil(lg p) (alpha + n beta). Buffers and validation as for
     :func:`allreduce` (same length and dtype on every rank).
     """
-    ctx = context(MPI.COMM_WORLD if comm is None else comm)
+    ctx = context(_WORLD if comm is None else comm)
     p2p.operation("broadcast")
     try:
         flat, problem = as_flat(buf), None
@@ -192,46 +299,31 @@ def broadcast(buf: Any, comm: Optional[MPI.Comm] = None, *, validate: Optional[b
 
 
 def explain(nbytes: int, comm: Optional[MPI.Comm] = None, *, layout: RanksPerNode = None,
-            grid: Optional[tuple[int, int]] = None, device: str = "cpu") -> costmodel.Choice:
+            grid: Optional[tuple[int, int]] = None, device: str = "cpu",
+            validate: Optional[bool] = None) -> costmodel.Choice:
     """What ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``comm`` (in
-    host memory, or GPU memory with ``device="cuda"``), every candidate's
+    host memory, or GPU memory with ``device="cuda"``; with the argument check
+    as ``validate`` resolves, see :func:`allreduce`), every candidate's
     predicted time, and the reason (collective on first use: it may calibrate
     the cost model)."""
-    user = MPI.COMM_WORLD if comm is None else comm
-    lay = node_layout(user, layout)
+    user = _WORLD if comm is None else comm
     xp = np if device == "cpu" else importlib.import_module("cupy")
-    return costmodel.choose(nbytes, lay, costmodel.params_for(user, lay, context(user).cache, xp), grid)
+    return _choose(context(user), user, node_layout(user, layout), nbytes, grid, xp, validation.enabled(validate))
 
 
+def _choose(ctx: Context, comm: MPI.Comm, lay: Layout, nbytes: int, grid: Optional[tuple[int, int]], xp: Any,
+            validate: bool) -> costmodel.Choice:
+    """The cost model's choice for ``auto`` (collective on first use: it may calibrate)."""
+    return costmodel.choose(nbytes, lay, costmodel.params_for(comm, lay, ctx.cache, xp), grid,
+                            _candidates(ctx, lay, xp), validate)
 
-def _fusable(ctx: Context, flat: FlatBuffer, key: tuple) -> bool:
-    """Whether the argument check can carry this all-reduce (a small host buffer
-    whose algorithm is the butterfly, directly or as auto's cached choice)."""
-    if not 0 < flat.nbytes <= validation.FUSE_LIMIT or ctx.size == 1 or type(flat.data) is not np.ndarray:
-        return False
-    if key[0] == "butterfly":
-        return True
-    plan = ctx.cache.get(key) if key[0] == "auto" else None
-    return plan is not None and plan.algorithm_for(flat.nbytes) == "butterfly"
+
+def _candidates(ctx: Context, lay: Layout, xp: Any) -> list[str]:
+    """The algorithms "auto" chooses from for ``xp`` memory on ``lay``: the
+    shared-memory one only for host memory on nodes that share memory."""
+    return [name for name in costmodel.MODELS if name != "shm" or (xp is np and shm.capable(ctx, lay))]
 
 
 def _field_names() -> tuple[dict[int, str], ...]:
     """Readable names of the signature codes, for error messages."""
     return ({}, DTYPE_CODES, {validation.code(op): op for op in OPS}, {validation.code(a): a for a in ALGORITHMS})
-
-
-def _prepare(buf: Any, op: str, algorithm: str, comm: MPI.Comm, layout: RanksPerNode,
-             grid: Optional[tuple[int, int]]) -> tuple[FlatBuffer, Reduction, Optional[ArgumentError]]:
-    """Resolve the buffer, op, algorithm and options; a local problem is returned, not raised."""
-    try:
-        if algorithm not in ALGORITHMS:
-            raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
-        flat = as_flat(buf)
-        red = reduction(op, flat.dtype, array_module(flat.data))
-        if layout is not None:
-            node_layout(comm, layout)  # an override is parsed locally: no communication
-        if grid is not None:
-            hierarchy.check_grid(grid, comm.Get_size())
-        return flat, red, None
-    except ArgumentError as exc:
-        return None, None, exc  # type: ignore[return-value]

@@ -16,8 +16,7 @@ their adapter is registered in :data:`DEVICE_ADAPTERS`.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -35,9 +34,9 @@ _NUMPY_NAMES = {np.dtype(name): name for name in NUMPY_DTYPES}  # dtype.name is 
 DEVICE_ADAPTERS: list[Callable[[Any], "FlatBuffer | None"]] = []
 
 
-@dataclass(frozen=True)
-class FlatBuffer:
-    """A contiguous 1-D array aliasing the memory of ``owner``.
+class FlatBuffer(NamedTuple):
+    """A contiguous 1-D array aliasing the memory of ``owner`` (a named tuple:
+    built on every collective call, so it must be cheap).
 
     Attributes:
         data: numpy (or CuPy) 1-D array sharing memory with ``owner``.
@@ -121,16 +120,27 @@ def check_layout(contiguous: bool, writable: bool, what: str) -> None:
         raise ArgumentError(f"{what} is read-only; collectives reduce in place and need a writable buffer")
 
 
-def _from_numpy(arr: np.ndarray, owner: Any) -> FlatBuffer:
+def host_view(arr: np.ndarray) -> tuple[np.ndarray, str]:
+    """A numpy array as a 1-D view of its memory and its dtype name, as in
+    :func:`as_flat` but without the :class:`FlatBuffer` (the all-reduce's hot path).
+
+    Raises:
+        ArgumentError: as :func:`as_flat`.
+    """
     name = _NUMPY_NAMES.get(arr.dtype)
     flags = arr.flags
-    if name is None or not flags.c_contiguous or not flags.writeable:
+    if name is None or not flags.carray and not (flags.c_contiguous and flags.writeable):  # carray: the common case
         what = f"numpy array (dtype {arr.dtype}, shape {arr.shape})"
         if not arr.dtype.isnative:
             raise ArgumentError(f"{what} has non-native byte order; convert it with .astype(dtype.newbyteorder('='))")
         check_dtype(arr.dtype.name, what)
         check_layout(flags.c_contiguous, flags.writeable, what)
-    return FlatBuffer(arr.reshape(-1), name, owner)
+    return arr if arr.ndim == 1 else arr.reshape(-1), name
+
+
+def _from_numpy(arr: np.ndarray, owner: Any) -> FlatBuffer:
+    data, name = host_view(arr)
+    return FlatBuffer(data, name, owner)
 
 
 def _from_cpu_tensor(t: Any) -> FlatBuffer:

@@ -24,7 +24,12 @@ class Context:
         rank: this process's rank in it.
         size: its number of ranks.
         cache: derived objects (layouts, sub-communicators, scratch),
-            keyed by whoever builds them.
+            keyed by whoever builds them; freed newest first (a later
+            object may use an earlier one, e.g. a window on a cached
+            sub-communicator).
+        calls: the entry points' resolved calls, by their arguments
+            (:mod:`collectives.api`).
+        aliases: ids of the Python objects it was looked up with.
     """
 
     def __init__(self, comm: MPI.Comm) -> None:
@@ -32,31 +37,49 @@ class Context:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.cache: dict[Any, Any] = {}
+        self.calls: dict[Any, Any] = {}
+        self.aliases: list[int] = []
 
     def free(self) -> None:
-        """Free the private communicator and every cached communicator."""
-        for value in self.cache.values():
+        """Free every cached object (newest first), then the private communicator."""
+        for value in reversed(list(self.cache.values())):
             if isinstance(value, MPI.Comm) and value != MPI.COMM_NULL:
                 value.Free()
             elif hasattr(value, "free"):
                 value.free()
         self.cache.clear()
+        self.calls.clear()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
 
 def _delete(comm: MPI.Comm, keyval: int, ctx: Context) -> None:
+    for key in ctx.aliases:
+        _known.pop(key, None)
     if not MPI.Is_finalized():
         ctx.free()
 
 
 _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete)
 
+# Contexts by id() of the Python communicator objects they were looked up
+# with (the object is kept, so its id cannot be reused): a dictionary lookup
+# instead of MPI_Comm_get_attr on every call. Entries go when the
+# communicator is freed.
+_known: dict[int, tuple[MPI.Comm, Context]] = {}
+_ALIASES = 8
+
 
 def context(comm: MPI.Comm) -> Context:
     """The :class:`Context` of ``comm``, created (collectively) on first use."""
+    found = _known.get(id(comm))
+    if found is not None and found[0] is comm:
+        return found[1]
     ctx = comm.Get_attr(_KEYVAL)
     if ctx is None:
         ctx = Context(comm)
         comm.Set_attr(_KEYVAL, ctx)
+    if len(ctx.aliases) < _ALIASES:  # a caller wrapping the handle anew each time stays uncached
+        ctx.aliases.append(id(comm))
+        _known[id(comm)] = (comm, ctx)
     return ctx

@@ -18,14 +18,27 @@ butterfly           lg p (alpha + n beta + n gamma) (+ the fold as above)
 reduce_broadcast    2 ceil(lg p) (alpha + n beta) + ceil(lg p) n gamma
 hierarchical_ring   intra-node reduce and broadcast + ring among the m leaders
 torus2d             2(X-1) alpha + 2n (X-1)/X beta (rows) + ring of n/X bytes on Y (columns)
+shm                 b alpha_shm + n beta_shm on one node, s = ceil(n / segment) pieces,
+                    b = s barriers (2 ranks or small vectors) or s + 1; across m
+                    nodes: that, + ring among the m leaders + s alpha_shm + n beta_shm
+                    (broadcast)
 =================== =====================================================================
 
-``overhead`` is the fixed per-call cost of the Python entry point and the
-argument check; it is the same for every algorithm, so it moves predictions
-but never the choice.
+alpha_shm and beta_shm describe the shared-memory algorithm (:mod:`collectives.shm`):
+alpha_shm is one shared-memory barrier with the per-piece work around it,
+beta_shm the per-byte cost of copying a vector in, reducing it and copying
+the result out, all ranks of a node at once (memory bandwidth is shared).
+
+``overhead`` is the fixed per-call cost of the Python entry point; it is the
+same for every algorithm, so it moves predictions but never the choice. The
+cross-rank argument check is not: where it rides along (the shared-memory
+algorithm on one node, the butterfly up to the fused limit across nodes) it
+costs nothing, elsewhere one shared-memory barrier (alpha_shm) on one node
+or ceil(lg p) header exchanges across nodes (:func:`check_cost`).
 
 Parameters come from :func:`calibrate` (ping-pong exchanges inside and across
-nodes and a timed reduction), can be saved to and loaded from JSON
+nodes, a timed reduction, the shared-memory algorithm timed at two sizes),
+can be saved to and loaded from JSON
 (:meth:`Params.save`, :meth:`Params.load`; ``MPIDL_COSTMODEL=FILE`` makes
 ``algorithm="auto"`` load a file instead of measuring).
 """
@@ -34,16 +47,20 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 from mpi4py import MPI
 
+from . import shm as _shm
 from .hierarchy import Grid, default_grid
 from .layout import Layout
+from .ops import reduction
+from .validation import FUSE_LIMIT
 
 log = logging.getLogger("collectives.auto")
 
@@ -58,6 +75,8 @@ class Params:
     beta_inter: float = 1e-9
     gamma: float = 1e-10
     overhead: float = 5e-6
+    alpha_shm: float = 2e-6
+    beta_shm: float = 3e-10
     source: str = "built-in defaults"
 
     def link(self, inter: bool) -> tuple[float, float]:
@@ -78,7 +97,8 @@ class Params:
     def __str__(self) -> str:
         return (f"alpha_intra={self.alpha_intra * 1e6:.2f}us beta_intra={self.beta_intra * 1e9:.3f}ns/B "
                 f"alpha_inter={self.alpha_inter * 1e6:.2f}us beta_inter={self.beta_inter * 1e9:.3f}ns/B "
-                f"gamma={self.gamma * 1e9:.3f}ns/B overhead={self.overhead * 1e6:.2f}us ({self.source})")
+                f"gamma={self.gamma * 1e9:.3f}ns/B overhead={self.overhead * 1e6:.2f}us "
+                f"alpha_shm={self.alpha_shm * 1e6:.2f}us beta_shm={self.beta_shm * 1e9:.3f}ns/B ({self.source})")
 
 
 # --- the algorithms as steps ------------------------------------------------
@@ -186,6 +206,23 @@ def torus2d(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> 
     return row_t + col_t
 
 
+def _shm_barriers(q: int, n: float) -> tuple[int, int]:
+    """(pieces, barriers) of a shared-memory reduction of ``n`` bytes on ``q`` ranks."""
+    pieces = max(1, math.ceil(n / _shm.SEGMENT))
+    return pieces, pieces + (0 if q == 2 or n <= _shm.REPLICATE else 1)
+
+
+def shm(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+    """Predicted seconds of the shared-memory algorithm for ``n`` bytes (the largest node's)."""
+    q = max(lay.ranks_per_node)
+    pieces, barriers = _shm_barriers(q, n)
+    intra = barriers * prm.alpha_shm + n * prm.beta_shm if q > 1 else 0.0
+    if lay.nodes == 1:
+        return intra
+    leaders = _ring(prm, lay, [lay.members(k)[0] for k in range(lay.nodes)], n)
+    return leaders + (intra + pieces * prm.alpha_shm + n * prm.beta_shm if intra else 0.0)
+
+
 #: Predictors by algorithm name: (params, layout, bytes, grid) -> seconds.
 MODELS: dict[str, Callable[..., float]] = {
     "ring": ring,
@@ -194,14 +231,28 @@ MODELS: dict[str, Callable[..., float]] = {
     "reduce_broadcast": reduce_broadcast,
     "hierarchical_ring": hierarchical_ring,
     "torus2d": torus2d,
+    "shm": shm,
 }
 
 
-def predict(algorithm: str, nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None) -> float:
-    """Predicted seconds of one all-reduce of ``nbytes`` with ``algorithm``."""
+def check_cost(algorithm: str, nbytes: int, lay: Layout, prm: Params) -> float:
+    """Predicted seconds the argument check adds to an all-reduce (see the module docstring)."""
+    p = len(lay.node_of)
+    if lay.nodes == 1:
+        return 0.0 if algorithm == "shm" else prm.alpha_shm
+    if algorithm == "butterfly" and nbytes <= FUSE_LIMIT:
+        return 0.0
+    return math.ceil(math.log2(p)) * (prm.alpha_inter + 2 * _shm.HEADER * prm.beta_inter)
+
+
+def predict(algorithm: str, nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None,
+            validate: bool = False) -> float:
+    """Predicted seconds of one all-reduce of ``nbytes`` with ``algorithm`` (with
+    the argument check if ``validate``)."""
     if len(lay.node_of) == 1:
         return prm.overhead
-    return prm.overhead + MODELS[algorithm](prm, lay, float(nbytes), grid)
+    check = check_cost(algorithm, nbytes, lay, prm) if validate else 0.0
+    return prm.overhead + check + MODELS[algorithm](prm, lay, float(nbytes), grid)
 
 
 @dataclass
@@ -217,39 +268,54 @@ class Choice:
         return self.reason
 
 
-def choose(nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None) -> Choice:
-    """The algorithm with the least predicted time for ``nbytes`` on ``lay``."""
-    preds = {name: predict(name, nbytes, lay, prm, grid) for name in MODELS}
+def choose(nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None,
+           candidates: Iterable[str] = MODELS, validate: bool = False) -> Choice:
+    """The algorithm among ``candidates`` with the least predicted time for ``nbytes``
+    on ``lay`` (with the argument check if ``validate``)."""
+    preds = {name: predict(name, nbytes, lay, prm, grid, validate) for name in candidates}
     ranked = sorted(preds, key=lambda k: (preds[k], k))
     best = ranked[0]
     runner = f", next {ranked[1]} {preds[ranked[1]] * 1e6:.1f} us" if len(ranked) > 1 else ""
-    reason = (f"auto: {best} for {nbytes} B on {len(lay.node_of)} ranks ({lay}): predicted "
+    checked = "checked" if validate else "unchecked"
+    reason = (f"auto: {best} for {nbytes} B on {len(lay.node_of)} ranks ({lay}), {checked}: predicted "
               f"{preds[best] * 1e6:.1f} us, the least of {len(preds)}{runner}; {prm}")
     return Choice(best, nbytes, {k: preds[k] for k in ranked}, reason)
 
 
 # --- calibration --------------------------------------------------------------
 
-_SMALL, _LARGE = 8, 4 << 20
+_SMALL, _LARGE = 8, 16 << 20
 
 
 def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Params:
     """Measure the parameters on ``comm`` (collective; about a second).
 
-    alpha and beta come from timed exchanges (both ranks send at once, as the
-    algorithms do) of 8 B and 4 MiB between two ranks of one node and between
-    the first ranks of two nodes; gamma from a timed in-place float32 sum of
-    4 MiB; overhead from an all-reduce of an empty buffer. Parameters that
-    the layout cannot measure (no two ranks on one node, or one node) are
-    taken from the other link class. ``xp`` = cupy measures device buffers
-    (through the device transport in use), whose costs differ from host
-    memory's by orders of magnitude.
+    Every timing is repeated and the least kept: on a busy machine the least
+    is the one that other processes disturbed least.
+
+    alpha, beta and gamma come from timed exchanges (both ranks send at once,
+    as the algorithms do) between two ranks of one node and between the first
+    ranks of two nodes: alpha is one 8-byte step as the algorithms take it
+    (send, receive and combine, the Python around the message included, as
+    alpha_shm includes it), beta the slope between plain 8 B and 16 MiB
+    exchanges, gamma what a 16 MiB reducing step (received in segments and
+    combined, :func:`collectives.exchange.sendrecv_combine`) costs per byte
+    beyond a plain exchange (inside a node if it has two ranks); overhead
+    from an unchecked all-reduce of an empty buffer; alpha_shm and beta_shm
+    from the shared-memory algorithm on 8 B and 16 MiB, every node at once
+    (host buffers only: it does not run on device buffers). Parameters
+    that the layout cannot measure (no two ranks on one node, or one node)
+    are taken from the other link class, or the defaults. ``xp`` = cupy
+    measures device buffers (through the device transport in use), whose
+    costs differ from host memory's by orders of magnitude.
     """
     from . import api
     from .context import context
+    from .exchange import sendrecv_combine
     from .p2p import sendrecv
 
-    user, comm = comm, context(comm).comm
+    user, ctx = comm, context(comm)
+    comm = ctx.comm
     if xp is not np:
         from . import gpu
 
@@ -259,51 +325,73 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     inter = (lay.members(0)[0], lay.members(1)[0]) if lay.nodes > 1 else None
     a = xp.zeros(_LARGE, np.uint8)
     b = xp.zeros(_LARGE, np.uint8)
-    sync = xp.cuda.get_current_stream().synchronize if xp is not np else (lambda: None)
+    floats = a.view(np.float32)
+    add = reduction("sum", "float32", xp)
 
-    def exchange(pair: Optional[tuple[int, int]]) -> Optional[tuple[float, float]]:
+    def combining(n: int) -> Callable[[int], None]:
+        return lambda peer: sendrecv_combine(comm, floats[:n], peer, floats[:n], peer, add, peer < rank, n)
+
+    def exchange(pair: Optional[tuple[int, int]]) -> Optional[tuple[float, float, float]]:
+        kinds = {"step": combining(_SMALL // 4), "reduce": combining(_LARGE // 4),
+                 "small": lambda peer: sendrecv(comm, a[:_SMALL], peer, b[:_SMALL], peer),
+                 "large": lambda peer: sendrecv(comm, a, peer, b, peer)}
         times = {}
-        for nbytes in (_SMALL, _LARGE):
+        for kind, run in kinds.items():
             samples = []
-            for _ in range(repeat if nbytes == _SMALL else max(3, repeat // 3)):
+            for _ in range(repeat):
                 comm.Barrier()
                 if pair is not None and rank in pair:
-                    peer = pair[1] if rank == pair[0] else pair[0]
                     t0 = time.perf_counter()
-                    sendrecv(comm, a[:nbytes], peer, b[:nbytes], peer)
+                    run(pair[1] if rank == pair[0] else pair[0])
                     samples.append(time.perf_counter() - t0)
-            times[nbytes] = float(np.median(samples)) if samples else 0.0
+            times[kind] = min(samples) if samples else 0.0
         if pair is None:
             return None
-        t_small, t_large = comm.bcast(times if rank == pair[0] else None, root=pair[0]).values()
-        return t_small, max((t_large - t_small) / (_LARGE - _SMALL), 1e-13)
+        t = comm.bcast(times if rank == pair[0] else None, root=pair[0])
+        moved = t["large"] - t["small"]
+        return (t["step"], max(moved / (_LARGE - _SMALL), 1e-13),
+                max((t["reduce"] - t["step"] - moved) / (_LARGE - _SMALL), 1e-13))
+
+    def shared_memory() -> Optional[tuple[float, float]]:
+        seg = _shm.node_segment(ctx, lay) if xp is np and _shm.capable(ctx, lay) else None
+        red = reduction("sum", "float32")
+        times = []
+        for nbytes in (_SMALL, _LARGE):
+            v = np.zeros(nbytes // 4, np.float32)
+            if seg is not None:
+                _shm.allreduce(v, seg, red)  # warm-up: the segment's pages are touched
+            samples = []
+            for _ in range(repeat):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                if seg is not None:
+                    _shm.allreduce(v, seg, red)
+                samples.append(time.perf_counter() - t0)
+            times.append(comm.allreduce(min(samples) if seg is not None else 0.0, op=MPI.MAX))
+        if not times[0]:
+            return None
+        q = max(lay.ranks_per_node)
+        alpha = times[0] / _shm_barriers(q, _SMALL)[1]
+        return alpha, max((times[1] - _shm_barriers(q, _LARGE)[1] * alpha) / _LARGE, 1e-13)
 
     measured_intra = exchange(intra)
     measured_inter = exchange(inter)
-    x = xp.ones(_LARGE // 4, np.float32)
-    y = xp.ones(_LARGE // 4, np.float32)
-    samples = []
-    for _ in range(5):
-        sync()
-        t0 = time.perf_counter()
-        xp.add(x, y, out=x)
-        sync()
-        samples.append(time.perf_counter() - t0)
-    gamma = comm.allreduce(float(np.median(samples)) / _LARGE, op=MPI.MAX)
+    measured_shm = shared_memory()
     empty = np.zeros(0, np.float32)
     samples = []
     for _ in range(repeat):
         comm.Barrier()
         t0 = time.perf_counter()
-        api.allreduce(empty, user, algorithm="ring")
+        api.allreduce(empty, user, algorithm="ring", validate=False)
         samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    overhead = float(np.median(samples))
+    overhead = min(samples)
     defaults = Params()
-    ai, bi = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra)
-    ae, be = measured_inter or (ai, bi)
+    ai, bi, gamma = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra, defaults.gamma)
+    ae, be, _ = measured_inter or (ai, bi, gamma)
+    a_shm, b_shm = measured_shm or (defaults.alpha_shm, defaults.beta_shm)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     memory = "host" if xp is np else "device"
-    return Params(ai, bi, ae, be, gamma, overhead,
+    return Params(ai, bi, ae, be, gamma, overhead, a_shm, b_shm,
                   f"calibrated {stamp} on {comm.Get_size()} ranks, {lay}, {memory} buffers")
 
 

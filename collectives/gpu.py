@@ -23,6 +23,9 @@ claim support and then fail or return garbage. Only if every rank passes does
 the path become ``direct``; otherwise it stays ``staged`` with one warning.
 ``MPIDL_GPU_DIRECT=0`` forces staging; ``=1`` skips the library query (the
 probe still runs).
+
+Host-only algorithms (the shared-memory all-reduce) run on a host copy of a
+device buffer (:func:`on_host`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -40,6 +43,9 @@ from mpi4py import MPI
 from . import buffers, p2p
 from .buffers import FlatBuffer
 from .errors import ArgumentError
+from .scratch import scratch
+
+_STAGE = 8  # scratch slot of :func:`on_host`
 
 
 @dataclass
@@ -314,6 +320,17 @@ def _probe(comm: MPI.Comm) -> bool:
                 and bool((total.get() == expected_total).all()))
     except Exception:  # an MPI error or a CUDA error: either way, not usable
         return False
+
+
+def on_host(x: Any, fn: Callable[[np.ndarray], None]) -> None:
+    """Run ``fn`` on a host copy of the device array ``x`` (a reusable per-thread
+    buffer), then copy the host array back into ``x``; if ``fn`` raises, ``x``
+    is untouched. For host-only algorithms (:mod:`collectives.shm`)."""
+    host = scratch(np.empty(0, x.dtype), x.shape[0], slot=_STAGE)
+    _sync()
+    x.get(out=host)
+    fn(host)
+    x.set(host)
 
 
 def ensure(comm: MPI.Comm, flat: FlatBuffer) -> None:

@@ -7,8 +7,10 @@ nodes on one machine — an explicit ``ranks_per_node`` argument, or the
 many consecutive ranks, the last possibly smaller) or a comma-separated list
 of node sizes ("3,1"). Nodes are numbered by their lowest rank.
 
-The detected layout is computed once per communicator and cached on its
-:class:`~collectives.context.Context`.
+The detected layout is computed once per communicator (on its private
+duplicate) and cached on its :class:`~collectives.context.Context`;
+:func:`detected` gives it without any override, for what needs real shared
+memory (:mod:`collectives.shm`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Optional, Sequence, Union
 
 from mpi4py import MPI
 
-from .context import context
+from .context import Context, context
 from .errors import ArgumentError
 
 RanksPerNode = Union[int, str, Sequence[int], None]
@@ -69,11 +71,17 @@ def layout(comm: MPI.Comm, ranks_per_node: RanksPerNode = None) -> Layout:
     spec = ranks_per_node if ranks_per_node is not None else os.environ.get("MPIDL_RANKS_PER_NODE") or None
     if spec is not None:
         return _emulated(spec, size)
-    ctx = context(comm)
+    return detected(context(comm))
+
+
+def detected(ctx: Context) -> Layout:
+    """The real layout of a context's communicator: which of its ranks can share
+    memory (collective on first use, then cached; no override applies)."""
     found = ctx.cache.get("layout")
     if found is None:
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        leader = comm.allgather(node.allreduce(comm.Get_rank(), op=MPI.MIN))
+        comm = ctx.comm
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=ctx.rank)
+        leader = comm.allgather(node.allreduce(ctx.rank, op=MPI.MIN))
         node.Free()
         firsts = sorted(set(leader))
         found = ctx.cache["layout"] = Layout(tuple(firsts.index(x) for x in leader))

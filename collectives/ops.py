@@ -55,6 +55,10 @@ class Reduction:
         else:
             self._ufunc(dst, src, out=dst)
 
+    def reduce_into(self, out: Any, a: Any, b: Any) -> None:
+        """Set ``out <- op(a, b)`` elementwise; ``out`` may be ``a`` or ``b``, neither input is changed otherwise."""
+        self._ufunc(a, b, out=out)
+
     def finalize(self, buf: Any, nranks: int) -> None:
         """Finish the reduction of ``nranks`` contributions in ``buf``: divide for avg."""
         if self.op == "avg" and nranks > 1:

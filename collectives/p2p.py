@@ -27,7 +27,9 @@ Every blocking call marks the thread as waiting on its peers for the stall
 inspector (:mod:`collectives.watchdog`). Every payload byte sent through this
 module is counted per thread
 (:func:`bytes_sent`), so training algorithms can report their traffic exactly.
-The argument check's messages (:mod:`collectives.validation`), and the small
+The shared-memory all-reduce (:mod:`collectives.shm`) counts the bytes each
+rank copies into the shared segment for its peers (:func:`count_sent`). The
+argument check's messages (:mod:`collectives.validation`), and the small
 butterfly all-reduces that ride in them, bypass this module and are not
 counted; the training algorithms run their steps unchecked, so their counts
 are exact.
@@ -102,6 +104,11 @@ def watch(comm: MPI.Comm, peers: tuple[int, ...]) -> watchdog.Slot:
 def bytes_sent() -> int:
     """Payload bytes this thread has sent through this module since it started."""
     return _sent.total
+
+
+def count_sent(nbytes: int) -> None:
+    """Count ``nbytes`` this thread handed to its peers another way (through shared memory)."""
+    _sent.total += nbytes
 
 
 def sendrecv(comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None:

@@ -1,7 +1,18 @@
 """Cross-rank agreement check run before (or together with) a collective.
 
 Every rank has a small integer signature: a local-problem flag, then length,
-dtype, op, algorithm and options. The check is a recursive-doubling exchange
+dtype, op, algorithm and options, packed into a 48-byte header
+(:func:`header`).
+
+On a communicator whose ranks all share one node's memory, every rank writes
+its header into the communicator's shared segment (:mod:`collectives.shm`),
+passes one shared-memory barrier and compares all headers (:func:`verify`):
+no message at all. The shared-memory all-reduce posts its header the same
+way and uses its own first barrier, so there the check costs nothing extra;
+the two are interchangeable, so ranks that took different paths (one has a
+bad buffer, another does not) still meet at the same barrier.
+
+Elsewhere the check is a recursive-doubling exchange
 of a 48-byte header on the private communicator, folded for non-powers of two
 like the butterfly (:mod:`collectives.fold`): each rank carries a flag and a
 reference signature (the lowest rank's of the ranks it has heard from); on
@@ -14,11 +25,11 @@ or half-runs: a set flag makes every rank gather the signatures once more
 and raise the same :class:`ArgumentError`, naming the ranks and values, with
 the caller's buffer untouched.
 
-For the butterfly on small vectors (up to :data:`FUSE_LIMIT` bytes) the data
-rides in the same messages, after the header, and is combined in scratch
-space; it is copied to the caller's buffer only if the final flag is clear.
-So the check costs no extra message there; elsewhere it costs lg p small
-exchanges before the algorithm runs.
+For the butterfly on small vectors (up to :data:`FUSE_LIMIT` bytes) on those
+communicators the data rides in the same messages, after the header, and is
+combined in scratch space; it is copied to the caller's buffer only if the
+final flag is clear. So the check costs no extra message there; elsewhere it
+costs lg p small exchanges before the algorithm runs.
 
 Checking is on by default; pass ``validate=False``, call
 :func:`set_default`, or set ``MPIDL_VALIDATE=0`` before start-up to skip it,
@@ -37,7 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import p2p
+from . import p2p, shm
 from .context import Context
 from .errors import ArgumentError
 from .fold import fold_of
@@ -52,6 +63,7 @@ FUSE_LIMIT = 64 << 10
 
 _HEADER = struct.Struct("<6q")  # flag, then the signature
 _H = _HEADER.size
+_CLEAR = bytes(8)  # a zero flag
 _TAG = 0x6D71
 _BYTE = MPI.BYTE
 _U8 = np.dtype(np.uint8)
@@ -105,6 +117,12 @@ def check(ctx: Context, what: str, problem: Optional[ArgumentError], signature: 
     Returns:
         True if ``data`` was given and now holds the reduction.
     """
+    seg = shm.shared(ctx)
+    if seg is not None:
+        seg.post(header(problem, signature))
+        seg.barrier()
+        verify(ctx, what, problem, signature, names, seg.headers())
+        return False
     f = fold_of(ctx.rank, ctx.size)
     nbytes = 0 if data is None else data.nbytes
     out = scratch(_U8_EMPTY, _H + FUSE_LIMIT, slot=2)
@@ -156,6 +174,19 @@ def check(ctx: Context, what: str, problem: Optional[ArgumentError], signature: 
 
 
 _U8_EMPTY = np.empty(0, np.uint8)
+
+
+def header(problem: Optional[ArgumentError], signature: Sequence[int]) -> bytes:
+    """This rank's header: the problem flag, then the signature (zeros with a problem)."""
+    return _HEADER.pack(1, *(0,) * (len(FIELDS) - 1)) if problem is not None else _HEADER.pack(0, *signature)
+
+
+def verify(ctx: Context, what: str, problem: Optional[ArgumentError], signature: Sequence[int],
+           names: Callable[[], Sequence[dict[int, str]]], headers: bytes) -> None:
+    """Raise the same ArgumentError on every rank unless ``headers`` (every rank's
+    :func:`header`, in rank order) are all alike and flag no problem."""
+    if headers != headers[:_H] * ctx.size or headers[:8] != _CLEAR:
+        _raise(ctx, what, problem, signature, names())
 
 
 def _status(ctx: Context) -> MPI.Status:

@@ -10,7 +10,11 @@ divided by the candidate's: above 1 the candidate is faster. "vs bound" is
 the bandwidth lower bound 2(n-1)/n * size * beta (Patarasuk & Yuan; beta
 calibrated for the slowest link in use) divided by the time: 1 would be a
 perfect bandwidth-optimal algorithm with free reductions. "model" is the cost
-model's prediction (:mod:`collectives.costmodel`).
+model's prediction (:mod:`collectives.costmodel`, with the argument check as
+the run has it); ``auto`` is listed with the algorithm it chose. After the
+table a summary gives, per size, auto's time over the best fixed
+algorithm's and native's over auto's, and at the smallest and largest sizes
+the cost model's order of the algorithms against the measured one.
 
 Native MPICH allocates a temporary buffer per large call, so its time depends
 on malloc: the run reports ``GLIBC_TUNABLES`` as found, and ``--tuned-malloc``
@@ -58,6 +62,7 @@ class Result:
     vs_native: float
     vs_bound: float = 0.0
     predicted: float = 0.0
+    chosen: str = ""
 
 
 def parse_size(text: str) -> int:
@@ -180,9 +185,10 @@ def run(sizes: Sequence[int], names: Sequence[str], dtype: str = "float32", repe
         r.vs_native = native / r.time
         r.vs_bound = costmodel.model_bound(r.size, n, beta) / r.time
         if r.algorithm == "auto":
-            r.predicted = costmodel.predict(costmodel.choose(r.size, lay, prm).algorithm, r.size, lay, prm)
+            choice = collectives.explain(r.size, comm, device=device, validate=validate)
+            r.chosen, r.predicted = choice.algorithm, choice.predictions[choice.algorithm]
         elif r.algorithm in costmodel.MODELS:
-            r.predicted = costmodel.predict(r.algorithm, r.size, lay, prm)
+            r.predicted = costmodel.predict(r.algorithm, r.size, lay, prm, validate=validate)
     return results
 
 
@@ -236,8 +242,42 @@ def table(results: Sequence[Result], nranks: int) -> str:
     for size in sorted({r.size for r in results}):
         for r in (q for q in results if q.size == size):
             model = f"{r.predicted * 1e6:10.1f}" if r.predicted else f"{'-':>10}"
-            lines.append(f"{human(size):>9}  {r.algorithm:<22} {r.time * 1e6:11.1f} {r.algbw / 1e9:10.3f} "
+            name = f"auto ({r.chosen})" if r.chosen else r.algorithm
+            lines.append(f"{human(size):>9}  {name:<22} {r.time * 1e6:11.1f} {r.algbw / 1e9:10.3f} "
                          f"{r.busbw / 1e9:10.3f} {r.vs_native:9.2f} {r.vs_bound:8.2f} {model}")
+    return "\n".join(lines)
+
+
+def summary(results: Sequence[Result], tie: float = 0.1) -> str:
+    """Per size: auto against the best fixed algorithm and the best native variant;
+    at the smallest and largest sizes, the cost model's order of the algorithms
+    against the measured one (a pair measured within ``tie`` of each other is a
+    tie and cannot be out of order)."""
+    lines = [f"{'size':>9}  {'auto':<18} {'best fixed':<18} {'auto/best':>9} {'best native':<24} {'native/auto':>11}"]
+    sizes = sorted({r.size for r in results})
+    for size in sizes:
+        rows = [r for r in results if r.size == size]
+        auto = next((r for r in rows if r.algorithm == "auto"), None)
+        fixed = [r for r in rows if r.algorithm in costmodel.MODELS]
+        native = min((r for r in rows if r.algorithm.startswith("native")), key=lambda r: r.time)
+        if auto is None or not fixed:
+            continue
+        best = min(fixed, key=lambda r: r.time)
+        lines.append(f"{human(size):>9}  {auto.chosen:<18} {best.algorithm:<18} {auto.time / best.time:9.2f} "
+                     f"{native.algorithm:<24} {native.time / auto.time:11.2f}")
+    for size in dict.fromkeys((sizes[0], sizes[-1])):
+        fixed = {r.algorithm: r for r in results if r.size == size and r.algorithm in costmodel.MODELS}
+        if len(fixed) < 2:
+            continue
+        model = sorted(fixed, key=lambda a: fixed[a].predicted)
+        measured = sorted(fixed, key=lambda a: fixed[a].time)
+        wrong = [(a, b) for i, a in enumerate(model) for b in model[i + 1:]
+                 if fixed[a].time > fixed[b].time * (1 + tie)]
+        lines.append(f"{human(size)}: model order {' < '.join(model)}")
+        lines.append(f"{human(size)}: measured    {' < '.join(measured)}")
+        lines.append(f"{human(size)}: pairs the model orders wrongly (beyond a {tie:.0%} tie): "
+                     + (", ".join(f"{a} before {b}" for a, b in wrong) or "none")
+                     + f" ({len(wrong)} of {len(model) * (len(model) - 1) // 2})")
     return "\n".join(lines)
 
 
@@ -300,5 +340,7 @@ def main(args: argparse.Namespace) -> int:
               f"{'on' if meta['validate'] else 'off'}, GLIBC_TUNABLES={meta['GLIBC_TUNABLES'] or '(unset)'}")
         print(f"# {meta['layout']}; cost model: {meta['costmodel']}")
         print(table(results, comm.Get_size()))
+        print("# auto against the best fixed algorithm and native; the cost model's order")
+        print(summary(results))
         write_outputs(results, args, meta)
     return 0

@@ -131,7 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layout", help="ranks per node override, e.g. 2 or 3,1")
     parser.add_argument("--grid", help="X,Y for torus2d")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shm-piece", type=int, help="shm: pieces of this many bytes, always sliced")
     args = parser.parse_args(argv)
+    if args.shm_piece:
+        collectives.shm.SEGMENT, collectives.shm.REPLICATE = args.shm_piece, 0
     comm = MPI.COMM_WORLD
     options = {k: v for k, v in (("layout", args.layout),
                                  ("grid", tuple(map(int, args.grid.split(","))) if args.grid else None)) if v}

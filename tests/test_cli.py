@@ -38,6 +38,8 @@ def test_bench_writes_every_candidate(tmp_path_factory: pytest.TempPathFactory) 
     assert names == {"native", "native_inplace", *collectives.ALGORITHMS}
     assert all(r["time"] > 0 and r["vs_native"] > 0 for r in data["results"])
     assert {r["size"] for r in data["results"]} == {4096, 8192}
+    assert all(r["chosen"] in collectives.ALGORITHMS for r in data["results"] if r["algorithm"] == "auto")
+    assert "4 KiB: pairs the model orders wrongly" in proc.stdout and "8 KiB: model order" in proc.stdout
 
 
 def test_bench_rejects_unknown_algorithm() -> None:

@@ -57,13 +57,44 @@ def test_inter_node_links_cost_more() -> None:
     assert costmodel.ring(prm, two_nodes, N) > costmodel.ring(prm, one_node(8), N)
 
 
+@pytest.mark.parametrize("p", [2, 3, 8])
+def test_shared_memory_form(p: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(collectives.shm, "SEGMENT", 1 << 18)
+    prm = Params(alpha_intra=A, beta_intra=B, alpha_inter=10 * A, beta_inter=10 * B, gamma=G, overhead=0.0,
+                 alpha_shm=A / 3, beta_shm=B / 2)
+    pieces = N // (1 << 18)
+    one_node_time = (pieces + (p > 2)) * A / 3 + N * B / 2  # sliced on more than two ranks: one barrier more
+    assert costmodel.shm(prm, one_node(p), N) == pytest.approx(one_node_time)
+    two_nodes = Layout(tuple(r // p for r in range(2 * p)))  # two nodes of p: + leaders' ring + broadcast
+    leaders = 2 * (10 * A + N / 2 * 10 * B) + N / 2 * G
+    assert costmodel.shm(prm, two_nodes, N) == pytest.approx(one_node_time + leaders + pieces * A / 3 + N * B / 2)
+    assert costmodel.shm(prm, Layout((0, 1)), N) == pytest.approx(leaders)  # one rank per node: the ring alone
+
+
+def test_check_costs_nothing_where_it_rides_along() -> None:
+    from collectives.validation import FUSE_LIMIT
+
+    prm = Params(alpha_intra=A, beta_intra=B, alpha_inter=10 * A, beta_inter=10 * B, gamma=G, overhead=0.0,
+                 alpha_shm=A / 3)
+    node, nodes = one_node(4), Layout((0, 0, 1, 1, 2))
+    assert costmodel.check_cost("shm", N, node, prm) == 0.0
+    assert costmodel.check_cost("ring", N, node, prm) == pytest.approx(A / 3)  # one shared-memory barrier
+    assert costmodel.check_cost("butterfly", FUSE_LIMIT, nodes, prm) == 0.0  # the data rides in the check
+    header_exchange = 10 * A + 2 * 48 * 10 * B
+    assert costmodel.check_cost("butterfly", FUSE_LIMIT + 1, nodes, prm) == pytest.approx(3 * header_exchange)
+    assert costmodel.check_cost("shm", 64, nodes, prm) == pytest.approx(3 * header_exchange)
+    ring = costmodel.predict("ring", N, node, prm)
+    assert costmodel.predict("ring", N, node, prm, validate=True) == pytest.approx(ring + A / 3)
+
+
 def test_choice_orders_latency_and_bandwidth() -> None:
     lay = one_node(8)
-    small, large = costmodel.choose(64, lay, FLAT), costmodel.choose(64 << 20, lay, FLAT)
+    passing = [name for name in costmodel.MODELS if name != "shm"]
+    small, large = costmodel.choose(64, lay, FLAT, candidates=passing), costmodel.choose(64 << 20, lay, FLAT)
     assert small.algorithm == "butterfly"
-    assert large.algorithm in ("ring", "halving_doubling", "torus2d")
+    assert large.algorithm in ("ring", "halving_doubling", "torus2d", "shm")
     assert list(small.predictions) == sorted(small.predictions, key=small.predictions.get)
-    assert set(small.predictions) == set(costmodel.MODELS)
+    assert set(small.predictions) == set(passing) and set(large.predictions) == set(costmodel.MODELS)
     assert small.algorithm in small.reason and "predicted" in small.reason
 
 
@@ -98,7 +129,8 @@ def test_model_file_is_loaded_not_measured(tmp_path_factory, monkeypatch: pytest
     monkeypatch.setattr(costmodel, "calibrate", lambda *a, **k: pytest.fail("re-measured"))
     sub = comm.Dup()
     try:
-        assert collectives.explain(1 << 20, sub).predictions == costmodel.choose(
-            1 << 20, collectives.layout.layout(sub), FLAT).predictions
+        for validate in (False, True):
+            assert collectives.explain(1 << 20, sub, validate=validate).predictions == costmodel.choose(
+                1 << 20, collectives.layout.layout(sub), FLAT, validate=validate).predictions
     finally:
         sub.Free()

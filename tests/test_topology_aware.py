@@ -15,7 +15,7 @@ from mpitest import all_ok, gather_failures, mpiexec, on_rank0_quietly
 
 pytestmark = pytest.mark.mpi
 
-TOPOLOGY_AWARE = ["hierarchical_ring", "torus2d", "auto"]
+TOPOLOGY_AWARE = ["hierarchical_ring", "torus2d", "shm", "auto"]
 
 
 def layouts(n: int) -> list[str]:

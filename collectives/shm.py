@@ -1,0 +1,302 @@
+"""Shared-memory all-reduce: the ranks of a node reduce in one MPI-3 shared segment.
+
+Inside a node, message passing copies every byte twice (into the library's
+shared cells and out again) and then reduces it. Here the node's ranks map one
+shared segment (``MPI_Win_allocate_shared`` on the node communicator) and
+read each other's data directly. The vector is cut into pieces of at most
+:data:`SEGMENT` bytes; two buffers alternate, each with an input slot per
+rank and one result slot, so memory stays bounded and a piece's slots stay in
+cache. Phases for piece k (q ranks on the node):
+
+1. copy-in: every rank copies piece k into its input slot;
+2. barrier;
+3. reduce, one of two ways:
+
+   * replicated (q = 2, or vectors up to :data:`REPLICATE` bytes): every rank
+     combines all q input slots, in rank order, straight into its vector.
+     One barrier per piece and no copy-out; each rank reads q slots.
+   * sliced (otherwise): rank i combines slice i (of q, by
+     :func:`~collectives.chunks.chunk_bounds`) of all q input slots, in rank
+     order, into slice i of the result slot; after the next piece's barrier
+     (or a last one) every rank copies the whole result slot into its
+     vector. s + 1 barriers for s pieces; each rank reads about one piece.
+
+Either way every element is computed by the same operations in the same
+order, so all ranks end bitwise identical. The argument check rides along:
+every rank writes its signature header into the segment before the first
+barrier and reads all headers after it (:meth:`Segment.post`,
+:meth:`Segment.headers`), so it costs no extra synchronisation.
+
+Across nodes (:func:`hierarchical`): the node's sum is reduced this way onto
+the node leader only, the leaders run a ring all-reduce
+(:mod:`collectives.ring`), and each leader broadcasts through the segment
+(one barrier per piece).
+
+Cost on one node, s = ceil(n / SEGMENT) pieces, b = s barriers replicated or
+s + 1 sliced: b alpha_shm + n beta_shm, alpha_shm being one barrier with the
+per-piece work around it, beta_shm the per-byte cost of the copy-in, the
+reduction and (sliced) the copy-out. Across m nodes: reduce b alpha_shm +
+n beta_shm, plus 2(m-1) alpha_inter + 2n(m-1)/m beta_inter + n(m-1)/m gamma
+among the leaders, plus broadcast s alpha_shm + n beta_shm. No byte crosses
+MPI inside a node.
+
+Synchronisation: each rank owns a counter on its own cache line; a barrier
+publishes the rank's next count and waits until every peer's counter has
+reached it. ``MPI_Win_sync`` (the memory barrier of the MPI-3 unified model)
+orders the data writes before the counter and the reads after it. A buffer is
+written again only two pieces later, after a barrier every rank reaches only
+once it has finished reading it. A waiting rank spins briefly, then yields
+the core (oversubscribed nodes), and is watched by the stall inspector
+(:mod:`collectives.watchdog`).
+
+Reference: MPI-3.1 section 11.2.3 (shared-memory windows) and 11.7
+(the unified memory model); Li, Hoefler & Snir, "NUMA-aware shared-memory
+collective communication for MPI", HPDC 2013 (replicated and sliced
+reductions); Jain et al., "Optimizing MPI Collectives with Shared Memory",
+2018 (MPICH's intra-node release/gather collectives follow the same pattern).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from . import p2p, ring
+from .chunks import chunk_bounds
+from .context import Context
+from .hierarchy import node_comms
+from .layout import Layout, detected
+from .ops import Reduction
+
+#: Bytes of the vector one buffer holds per rank (the size of a piece).
+SEGMENT = 1 << 20
+#: Vectors up to this many bytes are reduced replicated on nodes of more than two ranks.
+REPLICATE = 64 << 10
+#: Bytes of a rank's argument header (validation's signature).
+HEADER = 48
+
+_LINE = 64  # one cache line per counter: no false sharing while peers poll
+_SPINS = 200  # polls before a waiting rank starts yielding the core
+
+#: A check run after the first barrier (every rank's header is posted); it
+#: raises to abandon the call with the caller's buffer untouched.
+Check = Callable[["Segment"], None]
+
+
+class Segment:
+    """The shared window of one node's ranks, allocated once and reused.
+
+    Layout (all of it allocated by the node's rank 0, mapped by every rank):
+    q counters, one cache line each; two rows of q headers of :data:`HEADER`
+    bytes, used alternately (a rank may post its next header while a slower
+    peer still reads the last one); then two buffers, each q input slots and
+    one result slot of ``capacity`` bytes.
+
+    Collective over ``comm`` (the node communicator) to create and to free.
+    Only one thread may use a segment at a time, as with any communicator.
+    """
+
+    def __init__(self, comm: MPI.Comm, capacity: Optional[int] = None) -> None:
+        self.comm = comm
+        self.size = q = comm.Get_size()
+        self.rank = me = comm.Get_rank()
+        self.capacity = capacity = SEGMENT if capacity is None else capacity
+        control = q * _LINE + -(-2 * q * HEADER // _LINE) * _LINE
+        self._win = MPI.Win.Allocate_shared(control + 2 * (q + 1) * capacity if me == 0 else 0, 1, comm=comm)
+        self._raw = np.frombuffer(self._win.Shared_query(0)[0], np.uint8)
+        self._win.Lock_all(MPI.MODE_NOCHECK)
+        self._counters = memoryview(self._raw[:q * _LINE]).cast("q")
+        self._mine = me * _LINE // 8
+        self._peers = tuple(i * _LINE // 8 for i in range(q) if i != me)
+        self._headers = memoryview(self._raw[q * _LINE:q * _LINE + 2 * q * HEADER])
+        self._row = 0
+        self._data = control
+        self._count = 0
+        self._counters[self._mine] = 0
+        self._win.Sync()
+        comm.Barrier()
+        self._turn = 0
+        self._views: dict[tuple[int, int, np.dtype], _Views] = {}
+
+    def barrier(self) -> None:
+        """Wait until every rank of the node has reached this barrier; what a rank
+        wrote to the segment before it is visible to all after it."""
+        self._win.Sync()
+        self._count += 1
+        count, counters = self._count, self._counters
+        counters[self._mine] = count
+        for i in self._peers:
+            if counters[i] < count:
+                self._wait(i, count)
+        self._win.Sync()
+
+    def _wait(self, i: int, count: int) -> None:
+        counters = self._counters
+        for _ in range(_SPINS):
+            if counters[i] >= count:
+                return
+        blocked = p2p.watch(self.comm, (i * 8 // _LINE,))
+        try:
+            while counters[i] < count:
+                os.sched_yield()
+        finally:
+            blocked.since = 0.0
+
+    def post(self, header: bytes) -> None:
+        """Write this rank's argument header of :data:`HEADER` bytes (every rank
+        posts one per check; peers read it after the next barrier)."""
+        self._row ^= 1
+        start = (self._row * self.size + self.rank) * HEADER
+        self._headers[start:start + HEADER] = header
+
+    def headers(self) -> bytes:
+        """Every rank's last posted header, in rank order."""
+        return self._headers[self._row * self.size * HEADER:(self._row + 1) * self.size * HEADER].tobytes()
+
+    def views(self, count: int, dtype: np.dtype) -> "_Views":
+        """The current buffer's slots as ``count`` elements of ``dtype``, and flip to
+        the other buffer for the next piece."""
+        key = (self._turn, count, dtype)
+        self._turn ^= 1
+        found = self._views.get(key)
+        if found is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            found = self._views[key] = _Views(self, key[0], count, dtype)
+        return found
+
+    def free(self) -> None:
+        """Release the window (collective over the node communicator)."""
+        self._views.clear()
+        self._counters.release()
+        self._headers.release()
+        self._raw = None
+        self._win.Unlock_all()
+        self._win.Free()
+
+
+class _Views:
+    """One buffer's slots seen as arrays: this rank's input slot, every rank's
+    input slot, this rank's slice of every input slot, its slice of the result
+    slot, and the whole result slot."""
+
+    __slots__ = ("mine", "inputs", "slices", "out", "result")
+
+    def __init__(self, seg: Segment, turn: int, count: int, dtype: np.dtype) -> None:
+        nbytes = count * dtype.itemsize
+        base = seg._data + turn * (seg.size + 1) * seg.capacity
+        slots = [seg._raw[base + i * seg.capacity:base + i * seg.capacity + nbytes].view(dtype)
+                 for i in range(seg.size + 1)]
+        bounds = chunk_bounds(count, seg.size)
+        lo, hi = bounds[seg.rank], bounds[seg.rank + 1]
+        self.mine = slots[seg.rank]
+        self.inputs = tuple(slots[:-1])
+        self.slices = tuple(s[lo:hi] for s in self.inputs)
+        self.out = slots[-1][lo:hi]
+        self.result = slots[-1]
+
+
+def allreduce(x: Any, seg: Segment, red: Reduction, check: Optional[Check] = None, root_only: bool = False) -> None:
+    """Reduce the host array ``x`` in place over the ranks of ``seg``'s node.
+
+    Args:
+        check: called once after the first barrier (every rank's header
+            posted); if it raises, ``x`` is untouched.
+        root_only: only the node's rank 0 receives the result; the other
+            ranks' ``x`` is left as it was.
+    """
+    step = seg.capacity // x.itemsize
+    n = x.shape[0]
+    p2p.count_sent(x.nbytes)
+    replicated = seg.size == 2 or x.nbytes <= REPLICATE
+    receives = seg.rank == 0 or not root_only
+    pending = None
+    for off in range(0, n, step):
+        part = x[off:off + step] if n > step else x
+        v = seg.views(part.shape[0], part.dtype)
+        v.mine[:] = part  # slice assignment: cheaper per call than np.copyto
+        seg.barrier()
+        if check is not None:
+            check(seg)
+            check = None
+        if replicated:
+            if receives:
+                _fold(red, part, v.inputs)
+            continue
+        if pending is not None:
+            pending[0][:] = pending[1]  # copy-out: (vector part, result slot)
+        _fold(red, v.out, v.slices)
+        pending = (part, v.result) if receives else None
+    if not replicated:
+        seg.barrier()
+        if pending is not None:
+            pending[0][:] = pending[1]  # copy-out: (vector part, result slot)
+
+
+def _fold(red: Reduction, out: Any, operands: tuple[Any, ...]) -> None:
+    """Set ``out`` to the reduction of ``operands`` (two or more), left to right."""
+    red.reduce_into(out, operands[0], operands[1])
+    for a in operands[2:]:
+        red.combine(out, a)
+
+
+def broadcast(x: Any, seg: Segment) -> None:
+    """Copy the node's rank 0's host array ``x`` into every rank's ``x``."""
+    step = seg.capacity // x.itemsize
+    n = x.shape[0]
+    root = seg.rank == 0
+    if root:
+        p2p.count_sent(x.nbytes)
+    for off in range(0, n, step):
+        part = x[off:off + step] if n > step else x
+        v = seg.views(part.shape[0], part.dtype)
+        if root:
+            v.result[:] = part
+        seg.barrier()
+        if not root:
+            part[:] = v.result
+
+
+def hierarchical(x: Any, seg: Optional[Segment], leaders: MPI.Comm, red: Reduction) -> None:
+    """Reduce the host array ``x`` in place over several nodes: shared-memory
+    reduce onto each node's leader, ring all-reduce among the leaders
+    (``leaders``; COMM_NULL on other ranks), shared-memory broadcast.
+    ``seg`` is None on a node of one rank."""
+    if seg is not None:
+        allreduce(x, seg, red, root_only=True)
+    if leaders != MPI.COMM_NULL:
+        ring.allreduce(x, leaders, red)
+    if seg is not None:
+        broadcast(x, seg)
+
+
+def shared(ctx: Context) -> Optional[Segment]:
+    """The segment of all of ``ctx``'s ranks if there are several and they share
+    one node's memory, else None (collective on first use: it detects and allocates)."""
+    found = ctx.cache.get("shm", False)
+    if found is False:
+        found = ctx.cache["shm"] = Segment(ctx.comm) if ctx.size > 1 and detected(ctx).nodes == 1 else None
+    return found
+
+
+def capable(ctx: Context, lay: Layout) -> bool:
+    """Whether every node of ``lay`` (which may be emulated) lies in one real
+    shared-memory node (collective on first use: it detects)."""
+    real = detected(ctx).node_of
+    return all(len({real[r] for r in lay.members(k)}) == 1 for k in range(lay.nodes))
+
+
+def node_segment(ctx: Context, lay: Layout) -> Optional[Segment]:
+    """The segment of this rank's node in ``lay``, None on a node of one rank
+    (collective on first use; the layout must be :func:`capable`)."""
+    if lay.nodes == 1:
+        return shared(ctx)
+    key = ("shm", lay.node_of)
+    found = ctx.cache.get(key, False)
+    if found is False:
+        node, _ = node_comms(ctx, lay)
+        found = ctx.cache[key] = Segment(node) if node.Get_size() > 1 else None
+    return found

@@ -1,0 +1,135 @@
+"""The shared-memory all-reduce: pieces, the check riding in the segment, the
+segment's life cycle, threads, and the bytes it counts."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives
+from allreduce_matrix import available_dtypes, check
+from collectives import ArgumentError, p2p, shm
+from collectives.context import context
+from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
+
+pytestmark = pytest.mark.mpi
+
+
+def fresh(size: int) -> MPI.Intracomm:
+    """A new communicator of min(size, world) ranks (so a new segment is allocated)."""
+    return comm_of_size(size).Dup()
+
+
+@pytest.mark.parametrize("replicate", [shm.REPLICATE, 0])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_pieces_and_their_boundaries(size: int, replicate: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long vectors go through the segment in pieces: make pieces 24 bytes, so
+    every length below spans several, with odd tails and empty slices; and
+    reduce them replicated (small vectors, two ranks) and sliced."""
+    monkeypatch.setattr(shm, "SEGMENT", 24)
+    monkeypatch.setattr(shm, "REPLICATE", replicate)
+    comm = fresh(size)
+    try:
+        failures = check(comm, ["shm"], available_dtypes(), ["sum", "max", "prod"], [1, 2, 5, 17, 100])
+        failures += check(comm, ["shm"], ["float64", "int32"], ["sum", "min"], [1, 7, 41], layout="2")
+        assert comm.Get_size() == 1 or shm.shared(context(comm)).capacity == 24
+    finally:
+        comm.Free()
+    failures = gather_failures(MPI.COMM_WORLD, failures)
+    assert all_ok(MPI.COMM_WORLD, not failures), "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("layout", [None, "2", "4,2"])
+def test_pieces_on_six_ranks(layout: str | None) -> None:
+    """Sliced pieces on a node of six ranks, and on emulated nodes of several."""
+    args = ["tests/allreduce_matrix.py", "--algorithms", "shm", "--shm-piece", "40"]
+    proc = on_rank0_quietly(mpiexec, 6, args + (["--layout", layout] if layout else []), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def one_rank_differs(comm: MPI.Comm, good, bad):
+    return bad if comm.Get_rank() == comm.Get_size() - 1 else good
+
+
+@pytest.mark.parametrize("algorithm", ["shm", "auto"])
+def test_disagreement_after_the_plan_exists(algorithm: str) -> None:
+    """Once a call is bound the check rides in the segment (ranks 0..n-2 here),
+    while a rank whose arguments changed goes through the plain check: they
+    meet at the same barrier and all raise the same error, buffers untouched."""
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        pytest.skip("needs two ranks")
+    for _ in range(2):
+        x = np.arange(6, dtype=np.float32)
+        collectives.allreduce(x, comm, algorithm=algorithm)
+    assert all_ok(comm, bool(np.all(x == np.arange(6) * comm.Get_size())))
+    if algorithm == "shm":  # the bound call carries the check in the segment
+        assert any(call.carrier is not None for call in context(comm).calls.values())
+    cases = [(np.arange(one_rank_differs(comm, 6, 5), dtype=np.float32), "length differs"),
+             (np.arange(6, dtype=one_rank_differs(comm, np.float32, np.float64)), "dtype differs"),
+             (one_rank_differs(comm, np.arange(6, dtype=np.float32), np.frombuffer(bytes(24), np.float32)),
+              "read-only")]
+    for x, match in cases:
+        before = x.copy()
+        with pytest.raises(ArgumentError) as info:
+            collectives.allreduce(x, comm, algorithm=algorithm)
+        text = str(info.value)
+        assert all_ok(comm, len(set(comm.allgather(text))) == 1 and match in text), text
+        assert np.array_equal(x, before)
+    x = np.arange(6, dtype=np.float32)
+    collectives.allreduce(x, comm, algorithm=algorithm)  # and the segment still works
+    assert all_ok(comm, bool(np.all(x == np.arange(6) * comm.Get_size())))
+
+
+def test_segment_allocated_once_and_freed_with_the_communicator() -> None:
+    comm = MPI.COMM_WORLD.Dup()
+    ctx = context(comm)
+    for n in (10, 100_000, 3, 1_000_000):
+        collectives.allreduce(np.ones(n), comm, algorithm="shm")
+        collectives.allreduce(np.ones(n), comm, algorithm="ring")  # the check uses the same segment
+        seg = shm.shared(ctx)
+        if n == 10:
+            first = seg
+        assert seg is first
+    segments = [v for v in ctx.cache.values() if isinstance(v, shm.Segment)]
+    assert len(segments) == (comm.Get_size() > 1)
+    comm.Free()
+    assert all(s._raw is None for s in segments) and not ctx.cache
+
+
+def test_concurrent_communicators_on_threads() -> None:
+    """Two threads reduce on two communicators at once (as LSGD's service thread does)."""
+    world = MPI.COMM_WORLD
+    comms = [world.Dup(), world.Dup()]
+    n, r = world.Get_size(), world.Get_rank()
+    results: dict[int, bool] = {}
+
+    def work(k: int) -> None:
+        ok = True
+        for step in range(50):
+            x = np.full(1000 + 4000 * k, r + step + k, dtype=np.int64)
+            collectives.allreduce(x, comms[k], algorithm="shm", validate=step % 2 == 0)
+            ok &= bool(np.all(x == n * (step + k) + n * (n - 1) // 2))
+        results[k] = ok
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in comms:
+        c.Free()
+    assert all_ok(world, results == {0: True, 1: True}), results
+
+
+def test_bytes_counted_are_the_bytes_published() -> None:
+    """Each rank copies its vector into the segment once: that is what it "sends"."""
+    comm = MPI.COMM_WORLD
+    x = np.ones(1000, np.float64)
+    before = p2p.bytes_sent()
+    collectives.allreduce(x, comm, algorithm="shm", validate=False)
+    sent = p2p.bytes_sent() - before
+    assert all_ok(comm, sent == (x.nbytes if comm.Get_size() > 1 else 0)), sent
