@@ -166,7 +166,7 @@ def test_half_precision_torch_models(name: str, dtype: str) -> None:
             (0.5 * (model.x - target).pow(2).sum()).backward()
             algo.step()
     X = np.array(comm.allgather(model.x.detach().float().numpy()))
-    tolerance = {"bfloat16": 0.03, "float16": 0.005}[dtype]
+    tolerance = {"bfloat16": 0.08, "float16": 0.01}[dtype]  # as for the synchronous ones: a few ulps near 2
     assert all_ok(comm, np.allclose(X, a, rtol=0, atol=tolerance)), X
 
 
