@@ -145,7 +145,7 @@ def test_workers_step_at_their_own_speed_with_a_straggler(algorithm: str,
     total = 0
     for e in run["epochs"]:
         total += e["steps"]
-        assert 48 * e["epoch"] <= total <= 48 * e["epoch"] + 12 and 0 < e["test_acc"] <= 1 and e["consensus"] < 1e-2
+        assert 48 * e["epoch"] <= total <= 48 * e["epoch"] + 12 and 0 < e["test_acc"] <= 1 and e["consensus"] < 0.1
     iterations = run["epochs"][-1]["workers"]["iterations"]
     assert sum(iterations) == sum(e["steps"] for e in run["epochs"]) and iterations[3] < max(iterations[:3])
     assert read(paths["allreduce"])["epochs"][-1]["workers"]["iterations"] == [24] * 4
