@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 import algorithms
-from mpitest import spread
+from mpitest import random_start, spread
 
 #: Relative tolerance of the sum: float64 rounding over a few thousand averagings.
 SUM_RTOL = 1e-10
@@ -45,10 +45,8 @@ def check(comm: MPI.Comm, name: str, options: dict, steps: int = 400, seed: int 
           length: int = 5) -> tuple[list[str], int]:
     """Run one configuration on ``comm`` (collective); return this rank's failure messages
     and the number of exchanges (averagings it took part in) it counted."""
-    n, r = comm.Get_size(), comm.Get_rank()
-    rng = np.random.default_rng([seed, r])
-    speed = rng.uniform(0.2, 3.0)
-    x = rng.standard_normal(length)
+    n = comm.Get_size()
+    rng, speed, x = random_start(comm, seed, length)
     before = comm.allreduce(x.copy())
     spread_before = spread(comm, x)
     scale = comm.allreduce(float(np.abs(x).sum())) + 1.0

@@ -37,6 +37,13 @@ def all_ok(comm: MPI.Comm, ok: bool) -> bool:
     return bool(comm.allreduce(bool(ok), op=MPI.LAND))
 
 
+def random_start(comm: MPI.Comm, seed: int, length: int) -> tuple[np.random.Generator, float, np.ndarray]:
+    """This rank's generator (seeded by seed and rank), a speed factor in [0.2, 3) to scale
+    its random delays by, and random float64 parameters of ``length``."""
+    rng = np.random.default_rng([seed, comm.Get_rank()])
+    return rng, rng.uniform(0.2, 3.0), rng.standard_normal(length)
+
+
 def spread(comm: MPI.Comm, x: np.ndarray) -> float:
     """Largest difference between two ranks' copies of one element of ``x``."""
     hi, lo = np.empty_like(x), np.empty_like(x)

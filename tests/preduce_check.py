@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from mpitest import spread
+from mpitest import random_start, spread
 
 #: Relative tolerance of the sum: float64 reassociation over a few hundred averages.
 SUM_RTOL = 1e-10
@@ -40,9 +40,7 @@ def check(comm: MPI.Comm, policy: str, group_size: int, rounds: int = 100, seed:
           max_delay: float = 1e-3, length: int = 5) -> list[str]:
     """Run the experiment on ``comm``; return this rank's failure messages (collective)."""
     n, r = comm.Get_size(), comm.Get_rank()
-    rng = np.random.default_rng([seed, r])
-    speed = rng.uniform(0.2, 3.0)
-    x = rng.standard_normal(length)
+    rng, speed, x = random_start(comm, seed, length)
     before = comm.allreduce(x.copy())
     spread_before = spread(comm, x)
     with collectives.PReduce(x, comm, group_size=group_size, policy=policy, seed=seed, period=2) as pr:
