@@ -27,7 +27,9 @@ all workers' parameters stays constant (up to rounding), and the pair ends
 bitwise identical (both compute op(x_lower rank, x_higher rank) / 2, in
 float32 for float16/bfloat16). The gradient itself may be computed on a model
 that is being averaged (the caller's forward pass reads x_i while a service
-thread writes it): that inconsistent read is part of the paper's model.
+thread writes it): that inconsistent read is part of the paper's model. The
+average is formed aside and copied in, so the read sees each element either
+before or after an averaging, never a partial result.
 
 No deadlock: only active workers wait for another worker, and only for a
 passive worker's server, which waits for nobody (it takes only its own
@@ -210,9 +212,14 @@ class ADPSGD(Algorithm):
 
 
 def _average(red: Any, x: Any, theirs: Any, theirs_first: bool) -> None:
-    """x <- (x + theirs) / 2, the lower rank's operand first (so both ends compute the same bits)."""
-    red.combine(x, theirs, src_first=theirs_first)
-    red.finalize(x, 2)
+    """x <- (x + theirs) / 2, the lower rank's operand first (so both ends compute the same bits).
+
+    The average is formed in ``theirs`` and copied into ``x`` in one pass: the
+    worker's main thread reads ``x`` meanwhile (its forward pass), and must see
+    each element either before or after the averaging, never the sum."""
+    red.combine(theirs, x, src_first=not theirs_first)
+    red.finalize(theirs, 2)
+    array_module(x).copyto(x, theirs)
 
 
 class _Server:

@@ -86,6 +86,24 @@ def test_adpsgd_sides_bytes_and_pairwise_identity(size: int) -> None:
     assert all_ok(MPI.COMM_WORLD, ok), (r, algo.active, algo.peers, algo.bytes_sent, algo.averagings)
 
 
+def test_adpsgd_caller_never_reads_a_partial_averaging() -> None:
+    """The caller reads its model (as a forward pass does) while a service thread averages
+    it: with lr 0 every value read lies between the workers' initial values (a partial
+    result, such as the pair's sum before the division, would not)."""
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    x = np.full(1 << 16, float(r + 1))
+    algo = algorithms.ADPSGD(x, SGD(x, lr=0.0), comm, broadcast_init=False)
+    low, high = 1.0, float(n)
+    for _ in range(150):
+        algo.step(np.zeros_like(x))
+        until = time.perf_counter() + 0.002
+        while time.perf_counter() < until:
+            low, high = min(low, float(x.min())), max(high, float(x.max()))
+    algo.close()
+    assert all_ok(comm, low >= 1.0 and high <= n), (r, low, high)
+
+
 def test_adpsgd_refuses_a_graph_that_is_not_bipartite() -> None:
     comm = comm_of_size(3)
     if comm.Get_size() != 3:
