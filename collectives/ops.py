@@ -59,6 +59,14 @@ class Reduction:
         """Set ``out <- op(a, b)`` elementwise; ``out`` may be ``a`` or ``b``, neither input is changed otherwise."""
         self._ufunc(a, b, out=out)
 
+    def fold(self, out: Any, operands: tuple[Any, ...]) -> None:
+        """Set ``out <- op(...op(op(operands[0], operands[1]), operands[2])...)``, left to right
+        (two or more operands; ``out`` may be the first)."""
+        ufunc = self._ufunc
+        ufunc(operands[0], operands[1], out=out)
+        for a in operands[2:]:
+            ufunc(out, a, out=out)
+
     def finalize(self, buf: Any, nranks: int) -> None:
         """Finish the reduction of ``nranks`` contributions in ``buf``: divide for avg."""
         if self.op == "avg" and nranks > 1:

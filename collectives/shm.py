@@ -14,7 +14,10 @@ cache. Phases for piece k (q ranks on the node):
 
    * replicated (q = 2, or vectors up to :data:`REPLICATE` bytes): every rank
      combines all q input slots, in rank order, straight into its vector.
-     One barrier per piece and no copy-out; each rank reads q slots.
+     One barrier per piece and no copy-out; each rank reads q slots. On two
+     ranks a rank reads only its peer's slot and combines it with its own
+     vector, which the copy-in left in cache (measured 1.3-1.9x faster from
+     1 to 64 MiB than reading both slots).
    * sliced (otherwise): rank i combines slice i (of q, by
      :func:`~collectives.chunks.chunk_bounds`) of all q input slots, in rank
      order, into slice i of the result slot; after the next piece's barrier
@@ -208,39 +211,57 @@ def allreduce(x: Any, seg: Segment, red: Reduction, check: Optional[Check] = Non
         root_only: only the node's rank 0 receives the result; the other
             ranks' ``x`` is left as it was.
     """
+    p2p.count_sent(x.nbytes)
+    receives = seg.rank == 0 or not root_only
+    if seg.size == 2 or x.nbytes <= REPLICATE:
+        if x.nbytes <= seg.capacity:  # one piece: the small-message path, no slicing
+            _replicated(x, seg, red, check, receives)
+            return
+        step = seg.capacity // x.itemsize
+        for off in range(0, x.shape[0], step):
+            _replicated(x[off:off + step], seg, red, check, receives)
+            check = None
+    else:
+        _sliced(x, seg, red, check, receives)
+
+
+def _replicated(part: np.ndarray, seg: Segment, red: Reduction, check: Optional[Check], receives: bool) -> None:
+    """One piece, replicated: copy in, barrier, every receiving rank folds all input slots
+    into ``part``; on two ranks, ``part`` itself (still in cache) stands for the own slot."""
+    v = seg.views(part.shape[0], part.dtype)
+    v.mine[:] = part  # slice assignment: cheaper per call than np.copyto
+    seg.barrier()
+    if check is not None:
+        check(seg)
+    if not receives:
+        return
+    if seg.size == 2:
+        red.combine(part, v.inputs[1 - seg.rank], src_first=seg.rank == 1)
+    else:
+        red.fold(part, v.inputs)
+
+
+def _sliced(x: np.ndarray, seg: Segment, red: Reduction, check: Optional[Check], receives: bool) -> None:
+    """All pieces, sliced: each rank folds its slice into the result slot; the result
+    of piece k is copied out after piece k + 1's barrier (or a last one)."""
     step = seg.capacity // x.itemsize
     n = x.shape[0]
-    p2p.count_sent(x.nbytes)
-    replicated = seg.size == 2 or x.nbytes <= REPLICATE
-    receives = seg.rank == 0 or not root_only
     pending = None
     for off in range(0, n, step):
         part = x[off:off + step] if n > step else x
         v = seg.views(part.shape[0], part.dtype)
-        v.mine[:] = part  # slice assignment: cheaper per call than np.copyto
+        v.mine[:] = part
         seg.barrier()
         if check is not None:
             check(seg)
             check = None
-        if replicated:
-            if receives:
-                _fold(red, part, v.inputs)
-            continue
         if pending is not None:
             pending[0][:] = pending[1]  # copy-out: (vector part, result slot)
-        _fold(red, v.out, v.slices)
+        red.fold(v.out, v.slices)
         pending = (part, v.result) if receives else None
-    if not replicated:
-        seg.barrier()
-        if pending is not None:
-            pending[0][:] = pending[1]  # copy-out: (vector part, result slot)
-
-
-def _fold(red: Reduction, out: Any, operands: tuple[Any, ...]) -> None:
-    """Set ``out`` to the reduction of ``operands`` (two or more), left to right."""
-    red.reduce_into(out, operands[0], operands[1])
-    for a in operands[2:]:
-        red.combine(out, a)
+    seg.barrier()
+    if pending is not None:
+        pending[0][:] = pending[1]
 
 
 def broadcast(x: Any, seg: Segment) -> None:

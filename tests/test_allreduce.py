@@ -63,10 +63,12 @@ def test_bfloat16_rounds_once_per_combine() -> None:
     assert all_ok(MPI.COMM_WORLD, bool(torch.equal(x, expected)))
 
 
+@pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("algorithm", list(collectives.ALGORITHMS))
-def test_signed_zero_and_nan_agree_bitwise(algorithm: str) -> None:
-    """Order-sensitive IEEE cases (min of -0.0 and 0.0, NaN payloads) agree on all ranks."""
-    comm = MPI.COMM_WORLD
+def test_signed_zero_and_nan_agree_bitwise(algorithm: str, size: int) -> None:
+    """Order-sensitive IEEE cases (min of -0.0 and 0.0, NaN payloads) agree on all ranks
+    (two ranks: the pairwise paths, e.g. shm's, where each rank combines its own vector)."""
+    comm = comm_of_size(size)
     r = comm.Get_rank()
     x = np.array([0.0 if r % 2 else -0.0, np.nan if r == 0 else 1.0, -np.nan if r == 1 else 2.0])
     collectives.allreduce(x, comm, op="min", algorithm=algorithm)
