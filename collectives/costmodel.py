@@ -30,7 +30,14 @@ beta_shm the per-byte cost of copying a vector in, reducing it and copying
 the result out, all ranks of a node at once (memory bandwidth is shared).
 
 ``overhead`` is the fixed per-call cost of the Python entry point; it is the
-same for every algorithm, so it moves predictions but never the choice. The
+same for every algorithm, so it moves predictions but never the choice.
+``offset`` corrects each message-passing algorithm by its own measured
+latency: alpha is calibrated on one bare exchange step, while an algorithm's
+steps carry its own Python around the messages, and a one-way tree step
+(send, or receive and combine) costs less than an exchange. That decides the
+order at small sizes, so the prediction of an algorithm is its measured time
+on 8 bytes plus what the model adds from 8 bytes to n; at large sizes the
+offset vanishes against the bandwidth terms. The
 cross-rank argument check is not: where it rides along (the shared-memory
 algorithm on one node, the butterfly up to the fused limit across nodes) it
 costs nothing, elsewhere one shared-memory barrier (alpha_shm) on one node
@@ -67,7 +74,11 @@ log = logging.getLogger("collectives.auto")
 
 @dataclass
 class Params:
-    """Model parameters (seconds, seconds per byte)."""
+    """Model parameters (seconds, seconds per byte).
+
+    ``offset`` corrects each message-passing algorithm's prediction by name
+    (absent names: no correction); see the module docstring.
+    """
 
     alpha_intra: float = 5e-6
     beta_intra: float = 3e-10
@@ -77,6 +88,7 @@ class Params:
     overhead: float = 5e-6
     alpha_shm: float = 2e-6
     beta_shm: float = 3e-10
+    offset: dict[str, float] = field(default_factory=dict)
     source: str = "built-in defaults"
 
     def link(self, inter: bool) -> tuple[float, float]:
@@ -98,7 +110,8 @@ class Params:
         return (f"alpha_intra={self.alpha_intra * 1e6:.2f}us beta_intra={self.beta_intra * 1e9:.3f}ns/B "
                 f"alpha_inter={self.alpha_inter * 1e6:.2f}us beta_inter={self.beta_inter * 1e9:.3f}ns/B "
                 f"gamma={self.gamma * 1e9:.3f}ns/B overhead={self.overhead * 1e6:.2f}us "
-                f"alpha_shm={self.alpha_shm * 1e6:.2f}us beta_shm={self.beta_shm * 1e9:.3f}ns/B ({self.source})")
+                f"alpha_shm={self.alpha_shm * 1e6:.2f}us beta_shm={self.beta_shm * 1e9:.3f}ns/B "
+                f"offset={{{', '.join(f'{k}: {v * 1e6:+.1f}us' for k, v in self.offset.items())}}} ({self.source})")
 
 
 # --- the algorithms as steps ------------------------------------------------
@@ -252,7 +265,7 @@ def predict(algorithm: str, nbytes: int, lay: Layout, prm: Params, grid: Optiona
     if len(lay.node_of) == 1:
         return prm.overhead
     check = check_cost(algorithm, nbytes, lay, prm) if validate else 0.0
-    return prm.overhead + check + MODELS[algorithm](prm, lay, float(nbytes), grid)
+    return prm.overhead + check + prm.offset.get(algorithm, 0.0) + MODELS[algorithm](prm, lay, float(nbytes), grid)
 
 
 @dataclass
@@ -303,7 +316,9 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     beyond a plain exchange (inside a node if it has two ranks); overhead
     from an unchecked all-reduce of an empty buffer; alpha_shm and beta_shm
     from the shared-memory algorithm on 8 B and 16 MiB, every node at once
-    (host buffers only: it does not run on device buffers). Parameters
+    (host buffers only: it does not run on device buffers); ``fixed`` from
+    each message-passing algorithm run on 8 B of host memory, what it takes
+    minus its model's prediction (device buffers: not measured). Parameters
     that the layout cannot measure (no two ranks on one node, or one node)
     are taken from the other link class, or the defaults. ``xp`` = cupy
     measures device buffers (through the device transport in use), whose
@@ -391,8 +406,36 @@ def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Pa
     a_shm, b_shm = measured_shm or (defaults.alpha_shm, defaults.beta_shm)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     memory = "host" if xp is np else "device"
-    return Params(ai, bi, ae, be, gamma, overhead, a_shm, b_shm,
-                  f"calibrated {stamp} on {comm.Get_size()} ranks, {lay}, {memory} buffers")
+    prm = Params(ai, bi, ae, be, gamma, overhead, a_shm, b_shm,
+                 source=f"calibrated {stamp} on {comm.Get_size()} ranks, {lay}, {memory} buffers")
+    if xp is np and comm.Get_size() > 1:
+        prm.offset = _offsets(user, lay, prm)
+    return prm
+
+
+def _offsets(comm: MPI.Comm, lay: Layout, prm: Params, batches: int = 7, calls: int = 40) -> dict[str, float]:
+    """Each message-passing algorithm's time per call on 8 B of host memory (unchecked,
+    the least of ``batches`` barrier-aligned batches of ``calls`` calls, the slowest
+    rank's) minus what its model predicts with ``prm`` (collective: plans are built)."""
+    from . import api
+    from .context import context
+
+    x, add = np.zeros(_SMALL // 4, np.float32), reduction("sum", "float32")
+    offsets = {}
+    for name in MODELS:
+        if name == "shm":  # its parameters are fitted to its own runs
+            continue
+        run = api.ALGORITHMS[name](api.Request(comm, context(comm), lay, None))
+        run(x, add)
+        samples = []
+        for _ in range(batches):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                run(x, add)
+            samples.append(comm.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX))
+        offsets[name] = min(samples) - MODELS[name](prm, lay, float(_SMALL), None)
+    return offsets
 
 
 def params_for(comm: MPI.Comm, lay: Layout, cache: dict, xp: Any = np) -> Params:

@@ -24,9 +24,6 @@ from mpi4py import MPI
 from .context import Context, context
 from .errors import ArgumentError
 
-RanksPerNode = Union[int, str, Sequence[int], None]
-
-
 @dataclass(frozen=True)
 class Layout:
     """Node membership of every rank of a communicator.
@@ -55,12 +52,18 @@ class Layout:
         return f"{self.nodes} node(s) x ranks {'+'.join(map(str, self.ranks_per_node))}"
 
 
+#: A layout override: nodes' sizes (one number or a list, see the module
+#: docstring), or a resolved :class:`Layout`.
+RanksPerNode = Union[int, str, Sequence[int], Layout, None]
+
+
 def layout(comm: MPI.Comm, ranks_per_node: RanksPerNode = None) -> Layout:
     """The node layout of ``comm`` (collective on first use without an override).
 
     Args:
         comm: the communicator.
-        ranks_per_node: an override (see module docstring); None reads
+        ranks_per_node: an override (see module docstring), or a
+            :class:`Layout` of ``comm``'s size, returned as it is; None reads
             ``MPIDL_RANKS_PER_NODE`` and otherwise detects the real layout.
 
     Raises:
@@ -68,6 +71,11 @@ def layout(comm: MPI.Comm, ranks_per_node: RanksPerNode = None) -> Layout:
             communicator size.
     """
     size = comm.Get_size()
+    if isinstance(ranks_per_node, Layout):
+        if len(ranks_per_node.node_of) != size:
+            raise ArgumentError(f"layout {ranks_per_node} has {len(ranks_per_node.node_of)} ranks, "
+                                f"the communicator {size}")
+        return ranks_per_node
     spec = ranks_per_node if ranks_per_node is not None else os.environ.get("MPIDL_RANKS_PER_NODE") or None
     if spec is not None:
         return _emulated(spec, size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -100,8 +101,20 @@ def test_choice_orders_latency_and_bandwidth() -> None:
 
 def test_params_round_trip(tmp_path) -> None:
     path = tmp_path / "model.json"
-    FLAT.save(str(path))
-    assert Params.load(str(path)) == FLAT
+    prm = dataclasses.replace(FLAT, offset={"ring": 2e-6, "reduce_broadcast": -3e-6})
+    prm.save(str(path))
+    assert Params.load(str(path)) == prm
+
+
+def test_offsets_shift_one_algorithm() -> None:
+    """An algorithm's offset moves its prediction by that much at every size, and no other's."""
+    lay = one_node(4)
+    shifted = dataclasses.replace(FLAT, offset={"reduce_broadcast": -5 * A})
+    for n in (8, 1 << 20):
+        for name in costmodel.MODELS:
+            delta = costmodel.predict(name, n, lay, shifted) - costmodel.predict(name, n, lay, FLAT)
+            assert delta == pytest.approx(-5 * A if name == "reduce_broadcast" else 0.0)
+    assert costmodel.choose(64, lay, shifted, candidates=["butterfly", "reduce_broadcast"]).algorithm == "reduce_broadcast"
 
 
 @pytest.mark.mpi
@@ -109,6 +122,11 @@ def test_calibration_explain_and_debug_log(caplog: pytest.LogCaptureFixture) -> 
     comm = MPI.COMM_WORLD
     prm = costmodel.calibrate(comm, collectives.layout.layout(comm, "1"))
     assert prm.alpha_intra > 0 and prm.beta_inter > 0 and prm.gamma > 0 and prm.overhead > 0
+    # every message-passing algorithm's measured latency: its 8-byte prediction stays positive
+    passing = {name for name in costmodel.MODELS if name != "shm"}
+    assert set(prm.offset) == (passing if comm.Get_size() > 1 else set())
+    assert all(costmodel.MODELS[name](prm, collectives.layout.layout(comm, "1"), 8.0) + prm.offset[name] > 0
+               for name in prm.offset)
     choice = collectives.explain(1 << 16, comm)
     assert choice.algorithm in costmodel.MODELS and choice.predictions[choice.algorithm] == min(choice.predictions.values())
     with caplog.at_level(logging.DEBUG, logger="collectives.auto"):
