@@ -16,7 +16,7 @@ cache. Phases for piece k (q ranks on the node):
      combines all q input slots, in rank order, straight into its vector.
      One barrier per piece and no copy-out; each rank reads q slots. On two
      ranks a rank reads only its peer's slot and combines it with its own
-     vector, which the copy-in left in cache (measured 1.3-1.9x faster from
+     vector, which the copy-in left in cache (measured 1.2-1.9x faster from
      1 to 64 MiB than reading both slots).
    * sliced (otherwise): rank i combines slice i (of q, by
      :func:`~collectives.chunks.chunk_bounds`) of all q input slots, in rank
