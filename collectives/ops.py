@@ -55,10 +55,6 @@ class Reduction:
         else:
             self._ufunc(dst, src, out=dst)
 
-    def reduce_into(self, out: Any, a: Any, b: Any) -> None:
-        """Set ``out <- op(a, b)`` elementwise; ``out`` may be ``a`` or ``b``, neither input is changed otherwise."""
-        self._ufunc(a, b, out=out)
-
     def fold(self, out: Any, operands: tuple[Any, ...]) -> None:
         """Set ``out <- op(...op(op(operands[0], operands[1]), operands[2])...)``, left to right
         (two or more operands; ``out`` may be the first)."""
