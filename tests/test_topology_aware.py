@@ -10,7 +10,7 @@ import collectives
 from allreduce_matrix import check
 from collectives import ArgumentError
 from collectives.context import context
-from collectives.layout import layout
+from collectives.layout import Layout, layout
 from mpitest import all_ok, gather_failures, mpiexec, on_rank0_quietly
 
 pytestmark = pytest.mark.mpi
@@ -39,6 +39,10 @@ def test_layout_override_and_detection(monkeypatch: pytest.MonkeyPatch) -> None:
     assert layout(comm).nodes == n
     monkeypatch.delenv("MPIDL_RANKS_PER_NODE")
     assert layout(comm).ranks_per_node == (n,)  # one machine, no override: one node
+    resolved = layout(comm, "1")
+    assert layout(comm, resolved) is resolved  # a resolved layout passes through
+    with pytest.raises(ArgumentError, match=f"has {n + 1} ranks, the communicator {n}"):
+        layout(comm, Layout(tuple(range(n + 1))))
 
 
 @pytest.mark.parametrize("spec", ["0", "x", "5,5,5", "-1,2"])
