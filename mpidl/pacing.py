@@ -14,7 +14,9 @@ looks for that word before its next step (the test of a receive posted in
 advance). The epoch ends on every worker at its next step boundary after the
 word arrived, so all workers together overshoot the budget by the steps
 they began while the count and the word were on their way (a step or so
-each); the overshoot counts towards the next epoch (epoch e ends when the
+each; more where rank 0's thread waits for a core: 13 steps of 4 workers
+together were seen with 4 ranks on 2 cores); the overshoot counts towards
+the next epoch (epoch e ends when the
 total reaches e x n x S). The thread polls for
 messages with short sleeps (:class:`collectives.p2p.Backoff`), leaving the
 cores to the workers.

@@ -131,8 +131,13 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path_factory: pytest.TempPa
 def test_workers_step_at_their_own_speed_with_a_straggler(algorithm: str,
                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
     """AD-PSGD and Prague: an epoch is 4 x 12 steps of all workers together (give or take the
-    steps taken while its end is announced, which count towards the next one); the rank
-    slowed x20 takes fewer of them than the others; mpidl compare reads the runs."""
+    steps taken while its end is announced, which count towards the next one, so the overshoot
+    does not add up over epochs); the rank slowed x20 takes fewer of them than the others;
+    mpidl compare reads the runs.
+
+    The overshoot is a step or so per worker on an idle machine; with 4 ranks on 2 cores
+    rank 0's counting thread waits for a core, and 13 steps were seen: the bound is half
+    an epoch."""
     out = tmp_path_factory.mktemp("straggler")
     paths = {name: out / f"{name}.json" for name in ("allreduce", algorithm)}
     for name, path in paths.items():
@@ -145,7 +150,7 @@ def test_workers_step_at_their_own_speed_with_a_straggler(algorithm: str,
     total = 0
     for e in run["epochs"]:
         total += e["steps"]
-        assert 48 * e["epoch"] <= total <= 48 * e["epoch"] + 12 and 0 < e["test_acc"] <= 1 and e["consensus"] < 0.1
+        assert 48 * e["epoch"] <= total <= 48 * e["epoch"] + 24 and 0 < e["test_acc"] <= 1 and e["consensus"] < 0.1
     iterations = run["epochs"][-1]["workers"]["iterations"]
     assert sum(iterations) == sum(e["steps"] for e in run["epochs"]) and iterations[3] < max(iterations[:3])
     assert read(paths["allreduce"])["epochs"][-1]["workers"]["iterations"] == [24] * 4
