@@ -1,5 +1,7 @@
 """mpidl: hand-written MPI all-reduce collectives and decentralized SGD."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 TEST = ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1"]
@@ -11,12 +13,11 @@ setup(
         "MPI toolkit for data-parallel deep learning: hand-written all-reduce "
         "collectives on mpi4py and decentralized SGD algorithms"
     ),
-    long_description=open("README.rst", encoding="utf-8").read(),
+    long_description=Path("README.rst").read_text(encoding="utf-8"),
     long_description_content_type="text/x-rst",
     license="BSD-3-Clause",
     python_requires=">=3.9",
-    packages=find_packages(include=["mpidl", "mpidl.*", "collectives", "collectives.*",
-                                    "algorithms", "algorithms.*"]),
+    packages=find_packages(include=["mpidl", "mpidl.*", "collectives", "collectives.*", "algorithms", "algorithms.*"]),
     install_requires=["mpi4py>=3.1", "numpy>=1.22", "tqdm>=4"],
     extras_require={
         # The MPI library itself, for machines without a system MPI (laptops, CI).

@@ -35,7 +35,7 @@ optimizer with torch's semantics in :mod:`algorithms.optim`.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from mpi4py import MPI
 
@@ -61,7 +61,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 }
 
 
-def create(name: str, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, **options: Any) -> Algorithm:
+def create(name: str, model: Any, optimizer: Any, comm: MPI.Comm | None = None, **options: Any) -> Algorithm:
     """Construct the algorithm called ``name`` (collective over ``comm``).
 
     ``options`` are the class's keyword arguments (common ones:
@@ -76,5 +76,20 @@ def create(name: str, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = Non
     return cls(model, optimizer, comm, **options)
 
 
-__all__ = ["ADPSGD", "ALGORITHMS", "DPSGD", "GRSGD", "LSGD", "SGD", "TOPOLOGIES", "Algorithm", "AllReduceSGD",
-           "FlatParams", "Prague", "Topology", "TopologyError", "create", "flatten"]
+__all__ = [
+    "ADPSGD",
+    "ALGORITHMS",
+    "DPSGD",
+    "GRSGD",
+    "LSGD",
+    "SGD",
+    "TOPOLOGIES",
+    "Algorithm",
+    "AllReduceSGD",
+    "FlatParams",
+    "Prague",
+    "Topology",
+    "TopologyError",
+    "create",
+    "flatten",
+]

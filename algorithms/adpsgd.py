@@ -48,7 +48,7 @@ active worker's model (m bytes) and the passive worker's reply with its model
 (m bytes); an empty message marks the end of a phase (:meth:`ADPSGD.settle`).
 Each worker sends m bytes per averaging it takes part in. Cost of an
 averaging: 2 (alpha + m beta) + m gamma, plus up to a poll interval of the
-server (:class:`collectives.p2p.Backoff`, at most 250 us, which leaves the
+server (:class:`collectives.transport.p2p.Backoff`, at most 250 us, which leaves the
 cores to the computation) — off the active worker's critical path when the
 gradient takes longer.
 
@@ -65,15 +65,17 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Hashable, Optional, Union
+from collections.abc import Hashable
+from typing import Any
 from zlib import crc32
 
 import numpy as np
 from mpi4py import MPI
 
-from collectives import ArgumentError, p2p, reduction
-from collectives.buffers import array_module
-from collectives.scratch import scratch
+from collectives import ArgumentError, reduction
+from collectives.transport import p2p
+from collectives.transport.buffers import array_module
+from collectives.transport.scratch import scratch
 
 from .background import Background
 from .base import Algorithm
@@ -101,13 +103,21 @@ class ADPSGD(Algorithm):
     name = "adpsgd"
     uneven_steps = True
 
-    def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
-                 topology: Union[None, str, Topology] = None, seed: int = 0, **common: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        comm: MPI.Comm | None = None,
+        *,
+        topology: str | Topology | None = None,
+        seed: int = 0,
+        **common: Any,
+    ) -> None:
         self.topology_arg, self.seed = topology, seed
         self.averagings = 0
-        self.last_peer: Optional[int] = None
-        self._background: Optional[Background] = None
-        self._server: Optional[_Server] = None
+        self.last_peer: int | None = None
+        self._background: Background | None = None
+        self._server: _Server | None = None
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
@@ -117,19 +127,23 @@ class ADPSGD(Algorithm):
         elif isinstance(topo, str):
             topo = build(topo, self.size)
         elif not isinstance(topo, Topology):
-            raise ArgumentError("topology must be a name or an algorithms.topology.Topology, "
-                                f"got {type(topo).__name__}")
+            raise ArgumentError(
+                f"topology must be a name or an algorithms.topology.Topology, got {type(topo).__name__}"
+            )
         if topo.size != self.size:
             raise ArgumentError(f"topology {topo.name} has {topo.size} ranks, the communicator {self.size}")
         sides = topo.sides()
         if sides is None:
-            raise ArgumentError(f"AD-PSGD needs a bipartite graph (active workers averaging only with passive "
-                                f"ones); {topo.name} is not: use topology='bipartite' (or a ring of even size)")
+            raise ArgumentError(
+                f"AD-PSGD needs a bipartite graph (active workers averaging only with passive "
+                f"ones); {topo.name} is not: use topology='bipartite' (or a ring of even size)"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ArgumentError(f"seed must be an integer >= 0, got {self.seed!r}")
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise ArgumentError("AD-PSGD averages on service threads: MPI must provide MPI_THREAD_MULTIPLE "
-                                "(mpi4py's default)")
+            raise ArgumentError(
+                "AD-PSGD averages on service threads: MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
+            )
         self.topology, self.active, self.peers = topo, sides[self.rank] == 0, topo.neighbors(self.rank)
         return (topo.name, crc32(topo.W.tobytes()), self.seed)
 

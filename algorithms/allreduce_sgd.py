@@ -19,14 +19,15 @@ Cost per step: one all-reduce of the model's size m bytes; with the ring,
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional
+from collections.abc import Hashable
+from typing import Any
 
 from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError
-from collectives.layout import RanksPerNode
-from collectives.layout import layout as node_layout
+from collectives.topology.layout import RanksPerNode
+from collectives.topology.layout import layout as node_layout
 
 from .base import Algorithm
 
@@ -50,27 +51,36 @@ class AllReduceSGD(Algorithm):
 
     name = "allreduce"
 
-    def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
-                 algorithm: str = collectives.DEFAULT_ALGORITHM, layout: RanksPerNode = None,
-                 **common: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        comm: MPI.Comm | None = None,
+        *,
+        algorithm: str = collectives.DEFAULT_ALGORITHM,
+        layout: RanksPerNode = None,
+        **common: Any,
+    ) -> None:
         self.algorithm = algorithm
         self.layout = layout
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
         if self.algorithm not in collectives.ALGORITHMS:
-            raise ArgumentError(f"unknown all-reduce algorithm {self.algorithm!r}; "
-                                f"valid algorithms: {', '.join(collectives.ALGORITHMS)}")
+            raise ArgumentError(
+                f"unknown all-reduce algorithm {self.algorithm!r}; "
+                f"valid algorithms: {', '.join(collectives.ALGORITHMS)}"
+            )
         if self.layout is not None:
             node_layout(self.comm, self.layout)  # parses the override: local
         return (self.algorithm, self.layout)
 
     def _start(self) -> None:
-        self.choice = (collectives.explain(self.flat.nbytes, self.comm, layout=self.layout)
-                       if self.algorithm == "auto" else None)
+        self.choice = (
+            collectives.explain(self.flat.nbytes, self.comm, layout=self.layout) if self.algorithm == "auto" else None
+        )
 
     def _step(self) -> None:
         with self._communicating():
-            collectives.allreduce(self.flat.grads, self.comm, "avg", self.algorithm,
-                                  validate=False, layout=self.layout)
+            collectives.allreduce(self.flat.grads, self.comm, "avg", self.algorithm, validate=False, layout=self.layout)
         self.optimizer.step()

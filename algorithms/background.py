@@ -6,7 +6,7 @@ and collect its result on a later step. Tasks run one at a time, in the order
 submitted, on one thread, so a task may own a communicator that no other
 thread uses (MPI must provide ``MPI_THREAD_MULTIPLE``, mpi4py's default).
 Each result carries the payload bytes the task sent
-(:func:`collectives.p2p.bytes_sent` counts per thread).
+(:func:`collectives.transport.p2p.bytes_sent` counts per thread).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import queue
 import threading
 from typing import Any, Callable
 
-from collectives.p2p import bytes_sent, prompt_threads
+from collectives.transport.p2p import bytes_sent, prompt_threads
 
 _STOP = object()
 

@@ -32,7 +32,7 @@ step and were checked once.
 
 Counters, per worker: :attr:`~Algorithm.iterations`;
 :attr:`~Algorithm.bytes_sent`, the payload bytes this worker sent during steps
-(counted by :mod:`collectives.p2p`, so exact: e.g. 2(n-1)/n x model bytes per
+(counted by :mod:`collectives.transport.p2p`, so exact: e.g. 2(n-1)/n x model bytes per
 ring all-reduce); :attr:`~Algorithm.comm_wait_s`, the seconds steps spent in
 communication or waiting for it.
 
@@ -62,17 +62,19 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, Hashable, Iterator, Optional
+from typing import Any, ClassVar
 
 import numpy as np
 from mpi4py import MPI
 
 import collectives
-from collectives import ArgumentError, as_flat, gpu, validation
-from collectives.buffers import DTYPE_CODES, dtype_code
-from collectives.context import context
-from collectives.p2p import bytes_sent
+from collectives import ArgumentError, as_flat, validation
+from collectives.transport import gpu
+from collectives.transport.buffers import DTYPE_CODES, dtype_code
+from collectives.transport.context import context
+from collectives.transport.p2p import bytes_sent
 
 from .flat import FlatParams, flatten
 
@@ -104,8 +106,15 @@ class Algorithm(ABC):
     #: Whether workers may take different numbers of steps between settle() calls (module docstring).
     uneven_steps: bool = False
 
-    def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
-                 broadcast_init: bool = True, validate: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        comm: MPI.Comm | None = None,
+        *,
+        broadcast_init: bool = True,
+        validate: bool | None = None,
+    ) -> None:
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.optimizer = optimizer
@@ -120,9 +129,17 @@ class Algorithm(ABC):
         except (ValueError, TypeError) as exc:  # ArgumentError, TopologyError, bad option values
             problem = exc if isinstance(exc, ArgumentError) else ArgumentError(f"{type(exc).__name__}: {exc}")
         if validation.enabled(validate):
-            signature = (0,) * 5 if problem else (
-                self.flat.size, dtype_code(as_flat(self.flat.params)), 0, validation.code(self.name),
-                validation.code(repr(options)))
+            signature = (
+                (0,) * 5
+                if problem
+                else (
+                    self.flat.size,
+                    dtype_code(as_flat(self.flat.params)),
+                    0,
+                    validation.code(self.name),
+                    validation.code(repr(options)),
+                )
+            )
             validation.check(context(self.comm), "training algorithm set-up", problem, signature, _field_names)
         elif problem:
             raise problem
@@ -176,7 +193,7 @@ class Algorithm(ABC):
         may follow. Idempotent. Subclasses release theirs, then call this."""
         self.closed = True
 
-    def __enter__(self) -> "Algorithm":
+    def __enter__(self) -> Algorithm:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -212,7 +229,12 @@ class Algorithm(ABC):
 
 
 def _field_names() -> tuple[dict[int, str], ...]:
-    """Readable values of the set-up signature, for error messages."""
-    from . import ALGORITHMS
-
-    return ({}, DTYPE_CODES, {}, {validation.code(name): name for name in ALGORITHMS})
+    """Readable values of the set-up signature, for error messages (the names of
+    every algorithm class defined, registered or not)."""
+    classes, names = [Algorithm], {}
+    while classes:
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        if "name" in vars(cls):
+            names[validation.code(cls.name)] = cls.name
+    return ({}, DTYPE_CODES, {}, names)

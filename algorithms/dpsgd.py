@@ -30,7 +30,8 @@ all-reduce costs 2 m (n-1)/n per worker but latency growing with n.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Union
+from collections.abc import Hashable
+from typing import Any
 from zlib import crc32
 
 from mpi4py import MPI
@@ -57,8 +58,16 @@ class DPSGD(Algorithm):
 
     name = "dpsgd"
 
-    def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
-                 topology: Union[str, Topology] = "ring", weights: str = "uniform", **common: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        comm: MPI.Comm | None = None,
+        *,
+        topology: str | Topology = "ring",
+        weights: str = "uniform",
+        **common: Any,
+    ) -> None:
         self.topology_arg, self.weights = topology, weights
         super().__init__(model, optimizer, comm, **common)
 
@@ -67,8 +76,9 @@ class DPSGD(Algorithm):
         if isinstance(topo, str):
             topo = build(topo, self.size, self.weights)
         elif not isinstance(topo, Topology):
-            raise ArgumentError("topology must be a name or an algorithms.topology.Topology, "
-                                f"got {type(topo).__name__}")
+            raise ArgumentError(
+                f"topology must be a name or an algorithms.topology.Topology, got {type(topo).__name__}"
+            )
         if topo.size != self.size:
             raise ArgumentError(f"topology {topo.name} has {topo.size} ranks, the communicator {self.size}")
         self.topology = topo

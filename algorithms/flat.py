@@ -83,8 +83,10 @@ class TorchFlatParams(FlatParams):
         dtypes = {p.dtype for p in tensors}
         devices = {p.device for p in tensors}
         if len(dtypes) != 1 or len(devices) != 1:
-            raise ArgumentError(f"a flat model needs one dtype and one device; parameters have dtypes "
-                                f"{sorted(map(str, dtypes))} on devices {sorted(map(str, devices))}")
+            raise ArgumentError(
+                f"a flat model needs one dtype and one device; parameters have dtypes "
+                f"{sorted(map(str, dtypes))} on devices {sorted(map(str, devices))}"
+            )
         (dtype,), (device,) = dtypes, devices
         if not dtype.is_floating_point:
             raise ArgumentError(f"parameters must be floating point, got {dtype}")
@@ -96,9 +98,9 @@ class TorchFlatParams(FlatParams):
         with torch.no_grad():
             for p in tensors:
                 n = p.numel()
-                params[offset:offset + n].copy_(p.detach().reshape(-1))
-                p.data = params[offset:offset + n].view_as(p)
-                grad = grads[offset:offset + n].view_as(p)
+                params[offset : offset + n].copy_(p.detach().reshape(-1))
+                p.data = params[offset : offset + n].view_as(p)
+                grad = grads[offset : offset + n].view_as(p)
                 if p.grad is not None:
                     grad.copy_(p.grad)
                 p.grad = grad
@@ -143,8 +145,10 @@ def flatten(model: Any, optimizer: Any) -> FlatParams:
     """
     if isinstance(model, np.ndarray):
         if not isinstance(optimizer, SGD) or optimizer.params is not model:
-            raise ArgumentError("a numpy model needs an algorithms.optim.SGD built on that same array "
-                                f"(SGD(x, lr=...)); got {type(optimizer).__name__}")
+            raise ArgumentError(
+                "a numpy model needs an algorithms.optim.SGD built on that same array "
+                f"(SGD(x, lr=...)); got {type(optimizer).__name__}"
+            )
         return FlatParams(model.reshape(-1), optimizer.grad.reshape(-1))
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(model, torch.nn.Module):
@@ -154,6 +158,7 @@ def flatten(model: Any, optimizer: Any) -> FlatParams:
         raise ArgumentError("the model has no parameters")
     held = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
     if {id(p) for p in held} != {id(p) for p in tensors} or len(held) != len(tensors):
-        raise ArgumentError("the optimizer must hold exactly the model's parameters "
-                            "(e.g. torch.optim.SGD(model.parameters(), ...))")
+        raise ArgumentError(
+            "the optimizer must hold exactly the model's parameters (e.g. torch.optim.SGD(model.parameters(), ...))"
+        )
     return TorchFlatParams(tensors)

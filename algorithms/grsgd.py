@@ -63,14 +63,16 @@ step tests them), so a large model's exchange may take a step longer.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from collectives import ArgumentError, p2p
-from collectives.buffers import array_module
-from collectives.ops import narrow, widen
+from collectives import ArgumentError
+from collectives.transport import p2p
+from collectives.transport.buffers import array_module
+from collectives.transport.ops import narrow, widen
 
 from .base import Algorithm
 
@@ -96,8 +98,9 @@ class GRSGD(Algorithm):
 
     name = "grsgd"
 
-    def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *, max_lead: int = 2,
-                 **common: Any) -> None:
+    def __init__(
+        self, model: Any, optimizer: Any, comm: MPI.Comm | None = None, *, max_lead: int = 2, **common: Any
+    ) -> None:
         self.max_lead = max_lead
         super().__init__(model, optimizer, comm, **common)
 
@@ -132,19 +135,19 @@ class GRSGD(Algorithm):
                 if edge.done < k - self.max_lead:
                     self._finish(peer, edge)
 
-    def _begin(self, peer: int, edge: "_Edge") -> None:
+    def _begin(self, peer: int, edge: _Edge) -> None:
         """Start an exchange with ``peer``: snapshot x, post the send and the receive."""
         array_module(edge.snapshot).copyto(edge.snapshot, self.flat.param_data)
         edge.pending = [p2p.irecv(self._comm, edge.theirs, peer), p2p.isend(self._comm, edge.snapshot, peer)]
         edge.started += 1
 
-    def _finish(self, peer: int, edge: "_Edge") -> None:
+    def _finish(self, peer: int, edge: _Edge) -> None:
         """Wait for the exchange in flight with ``peer`` and apply it."""
         p2p.operation(f"GR-SGD exchange with ring neighbor {peer}")
         p2p.waitall(edge.pending, self._comm, (peer,), poll=True)
         self._apply(edge)
 
-    def _apply(self, edge: "_Edge") -> None:
+    def _apply(self, edge: _Edge) -> None:
         """x += w (theirs - snapshot), in float32 for half precision."""
         x, w = self.flat.param_data, self.weight
         if self.flat.dtype in _HALF:
@@ -171,8 +174,8 @@ class GRSGD(Algorithm):
         mine = np.array([edge.started for edge in self._edges.values()], np.int64)
         theirs = np.zeros(len(self.peers), np.int64)
         with self._communicating():
-            requests = [self._comm.Irecv(theirs[i:i + 1], p, _SETTLE_TAG) for i, p in enumerate(self.peers)]
-            requests += [self._comm.Isend(mine[i:i + 1], p, _SETTLE_TAG) for i, p in enumerate(self.peers)]
+            requests = [self._comm.Irecv(theirs[i : i + 1], p, _SETTLE_TAG) for i, p in enumerate(self.peers)]
+            requests += [self._comm.Isend(mine[i : i + 1], p, _SETTLE_TAG) for i, p in enumerate(self.peers)]
             p2p.operation("GR-SGD settle")
             p2p.waitall(requests, self._comm, self.peers, poll=True)
             for (peer, edge), started in zip(self._edges.items(), theirs.tolist()):

@@ -3,7 +3,7 @@
 Yu, Flynn, Yoo & D'Imperio, "Layered SGD: A Decentralized and Synchronous
 SGD Algorithm for Scalable Deep Neural Network Training", arXiv:1906.05936,
 2019; seed 001, section 4.3. Workers are grouped by node
-(:func:`collectives.layout.layout`: ``comm.Split_type(COMM_TYPE_SHARED)``,
+(:func:`collectives.topology.layout.layout`: ``comm.Split_type(COMM_TYPE_SHARED)``,
 overridden by ``layout=`` or ``MPIDL_RANKS_PER_NODE`` to emulate nodes); each
 group's lowest rank is its representative (the paper's "communicator"). The
 group all-reduce is split into its two halves, a reduce to the representative
@@ -47,18 +47,19 @@ Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional
+from collections.abc import Hashable
+from typing import Any
 
 from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError, reduction
-from collectives.buffers import array_module
-from collectives.context import context
-from collectives.hierarchy import node_comms
-from collectives.layout import RanksPerNode
-from collectives.layout import layout as node_layout
-from collectives.reduce_broadcast import broadcast, reduce
+from collectives.kernels.reduce_broadcast import broadcast, reduce
+from collectives.topology.hierarchy import node_comms
+from collectives.topology.layout import RanksPerNode
+from collectives.topology.layout import layout as node_layout
+from collectives.transport.buffers import array_module
+from collectives.transport.context import context
 
 from .background import Background
 from .base import Algorithm
@@ -83,20 +84,31 @@ class LSGD(Algorithm):
 
     name = "lsgd"
 
-    def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
-                 layout: RanksPerNode = None, algorithm: str = collectives.DEFAULT_ALGORITHM,
-                 **common: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        comm: MPI.Comm | None = None,
+        *,
+        layout: RanksPerNode = None,
+        algorithm: str = collectives.DEFAULT_ALGORITHM,
+        **common: Any,
+    ) -> None:
         self.layout, self.algorithm = layout, algorithm
-        self._background: Optional[Background] = None
+        self._background: Background | None = None
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
         if self.algorithm not in collectives.ALGORITHMS:
-            raise ArgumentError(f"unknown all-reduce algorithm {self.algorithm!r}; "
-                                f"valid algorithms: {', '.join(collectives.ALGORITHMS)}")
+            raise ArgumentError(
+                f"unknown all-reduce algorithm {self.algorithm!r}; "
+                f"valid algorithms: {', '.join(collectives.ALGORITHMS)}"
+            )
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise ArgumentError("LSGD runs the inter-group all-reduce on a service thread: "
-                                "MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)")
+            raise ArgumentError(
+                "LSGD runs the inter-group all-reduce on a service thread: "
+                "MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
+            )
         if self.layout is not None:
             node_layout(self.comm, self.layout)  # parses the override: local
         return (self.layout, self.algorithm)
@@ -140,8 +152,9 @@ class LSGD(Algorithm):
                 if not first:
                     self._collect()  # last = R(t-1)
                 fresh.data[:] = g
-                self._background.submit(collectives.allreduce, fresh.owner, self._leaders, "sum",
-                                        self.algorithm, validate=False)
+                self._background.submit(
+                    collectives.allreduce, fresh.owner, self._leaders, "sum", self.algorithm, validate=False
+                )
                 if not first:
                     g[:] = last.data
             if not first:

@@ -31,11 +31,20 @@ class SGD:
         lr, momentum, dampening, weight_decay, nesterov: as in ``torch.optim.SGD``.
     """
 
-    def __init__(self, params: np.ndarray, lr: float, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False) -> None:
+    def __init__(
+        self,
+        params: np.ndarray,
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
         if not isinstance(params, np.ndarray) or params.dtype.kind != "f":
-            raise TypeError(f"params must be a floating-point numpy array, got {type(params).__name__}"
-                            + (f" of {params.dtype}" if isinstance(params, np.ndarray) else ""))
+            raise TypeError(
+                f"params must be a floating-point numpy array, got {type(params).__name__}"
+                + (f" of {params.dtype}" if isinstance(params, np.ndarray) else "")
+            )
         if not params.flags.c_contiguous or not params.flags.writeable:
             raise ValueError("params must be a C-contiguous, writable array (it is updated in place)")
         if lr < 0 or momentum < 0 or weight_decay < 0:
@@ -64,10 +73,7 @@ class SGD:
             else:
                 buf *= self.momentum
                 buf += np.multiply(d, 1 - self.dampening, out=work) if self.dampening else d
-            if self.nesterov:
-                d = np.add(d, np.multiply(buf, self.momentum, out=work), out=work)
-            else:
-                d = buf
+            d = np.add(d, np.multiply(buf, self.momentum, out=work), out=work) if self.nesterov else buf
         self._started = True
         x -= np.multiply(d, self.lr, out=work)
 
@@ -76,5 +82,7 @@ class SGD:
         self.grad.fill(0)
 
     def __repr__(self) -> str:
-        return (f"SGD(lr={self.lr}, momentum={self.momentum}, dampening={self.dampening}, "
-                f"weight_decay={self.weight_decay}, nesterov={self.nesterov})")
+        return (
+            f"SGD(lr={self.lr}, momentum={self.momentum}, dampening={self.dampening}, "
+            f"weight_decay={self.weight_decay}, nesterov={self.nesterov})"
+        )

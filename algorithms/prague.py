@@ -36,12 +36,13 @@ messages (request, notification) plus a ring all-reduce among the group,
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional
+from collections.abc import Hashable
+from typing import Any
 
 from mpi4py import MPI
 
 from collectives import ArgumentError, PReduce, PReduceStats
-from collectives.preduce import check_options
+from collectives.partial.preduce import check_options
 
 from .base import Algorithm
 
@@ -64,13 +65,29 @@ class Prague(Algorithm):
 
     name = "prague"
 
-    def __init__(self, model: Any, optimizer: Any, comm: Optional[MPI.Comm] = None, *,
-                 group_size: Optional[int] = None, policy: str = "smart", local_steps: int = 1, period: int = 1,
-                 seed: int = 0, algorithm: str = "ring", **common: Any) -> None:
-        self.options = {"group_size": group_size, "policy": policy, "period": period, "seed": seed,
-                        "algorithm": algorithm}
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        comm: MPI.Comm | None = None,
+        *,
+        group_size: int | None = None,
+        policy: str = "smart",
+        local_steps: int = 1,
+        period: int = 1,
+        seed: int = 0,
+        algorithm: str = "ring",
+        **common: Any,
+    ) -> None:
+        self.options = {
+            "group_size": group_size,
+            "policy": policy,
+            "period": period,
+            "seed": seed,
+            "algorithm": algorithm,
+        }
         self.local_steps = local_steps
-        self.preduce: Optional[PReduce] = None
+        self.preduce: PReduce | None = None
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:

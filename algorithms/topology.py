@@ -48,9 +48,10 @@ size the graph cannot have.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -114,7 +115,7 @@ class Topology:
         """1 - |lambda_2|."""
         return 1.0 - self.lambda2
 
-    def sides(self) -> Optional[tuple[int, ...]]:
+    def sides(self) -> tuple[int, ...] | None:
         """A 2-colouring of the graph (0 or 1 per rank, rank 0 on side 0) if it is
         bipartite — every edge joins the two sides — else None."""
         side = [-1] * self.size
@@ -140,7 +141,7 @@ def ring(n: int, weights: str = "uniform") -> Topology:
     return _build(f"ring({n})", n, ((i, (i + 1) % n) for i in range(n)), weights)
 
 
-def torus(n: int, shape: Optional[tuple[int, int]] = None, weights: str = "uniform") -> Topology:
+def torus(n: int, shape: tuple[int, int] | None = None, weights: str = "uniform") -> Topology:
     """Ranks on an R x C wrap-around grid (module docstring for small sides).
 
     ``shape`` defaults to the most square R x C with R <= C and R * C = n.
@@ -164,8 +165,9 @@ def hypercube(n: int, weights: str = "uniform") -> Topology:
     _check_size(n)
     if n & (n - 1):
         raise TopologyError(f"a hypercube needs a power-of-two number of ranks, got {n}")
-    return _build(f"hypercube({n})", n, ((i, i ^ (1 << k)) for i in range(n) for k in range(n.bit_length() - 1)),
-                  weights)
+    return _build(
+        f"hypercube({n})", n, ((i, i ^ (1 << k)) for i in range(n) for k in range(n.bit_length() - 1)), weights
+    )
 
 
 def exponential(n: int, weights: str = "uniform") -> Topology:
@@ -213,8 +215,10 @@ def from_adjacency(adjacency: Sequence[Sequence[float]], weights: str = "metropo
         raise TopologyError("adjacency entries must be 0 or 1 (use from_matrix for weights)")
     if not np.array_equal(A, A.T):
         i, j = np.argwhere(A != A.T)[0]
-        raise TopologyError(f"adjacency is not symmetric: A[{i},{j}] = {A[i, j]} but A[{j},{i}] = {A[j, i]}; "
-                            "decentralized averaging needs an undirected graph")
+        raise TopologyError(
+            f"adjacency is not symmetric: A[{i},{j}] = {A[i, j]} but A[{j},{i}] = {A[j, i]}; "
+            "decentralized averaging needs an undirected graph"
+        )
     loops = np.flatnonzero(np.diag(A))
     if loops.size:
         raise TopologyError(f"adjacency has self-loops at rank(s) {loops.tolist()}; the diagonal must be zero")
@@ -282,20 +286,25 @@ def _check_mixing(W: np.ndarray) -> None:
         raise TopologyError("the mixing matrix has non-finite entries")
     if not np.allclose(W, W.T, rtol=0, atol=ATOL):
         i, j = np.unravel_index(np.argmax(np.abs(W - W.T)), W.shape)
-        raise TopologyError(f"the mixing matrix is not symmetric: W[{i},{j}] = {W[i, j]:.6g} but "
-                            f"W[{j},{i}] = {W[j, i]:.6g}")
+        raise TopologyError(
+            f"the mixing matrix is not symmetric: W[{i},{j}] = {W[i, j]:.6g} but W[{j},{i}] = {W[j, i]:.6g}"
+        )
     if (W < -ATOL).any():
         i, j = np.argwhere(W < -ATOL)[0]
         raise TopologyError(f"the mixing matrix has a negative weight W[{i},{j}] = {W[i, j]:.6g}")
     sums = W.sum(axis=1)
     bad = np.flatnonzero(np.abs(sums - 1.0) > ATOL * W.shape[0])
     if bad.size:
-        raise TopologyError(f"the weights of row(s) {bad.tolist()} sum to {sums[bad].tolist()}, not 1 "
-                            "(a mixing matrix must be doubly stochastic)")
+        raise TopologyError(
+            f"the weights of row(s) {bad.tolist()} sum to {sums[bad].tolist()}, not 1 "
+            "(a mixing matrix must be doubly stochastic)"
+        )
     parts = _components(W != 0)
     if len(parts) > 1:
-        raise TopologyError(f"the graph is disconnected: components {[sorted(p) for p in parts]}; "
-                            "models on different components never agree")
+        raise TopologyError(
+            f"the graph is disconnected: components {[sorted(p) for p in parts]}; "
+            "models on different components never agree"
+        )
 
 
 def _components(A: np.ndarray) -> list[set[int]]:

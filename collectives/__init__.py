@@ -5,11 +5,11 @@ in place; :data:`ALGORITHMS` names the algorithms, each in its own module
 (``ring``, ``halving_doubling``, ``butterfly``, ``reduce_broadcast``,
 ``hierarchical_ring``, ``torus2d``, ``shm``) whose kernel is public for composition, as
 are the ring's ``reduce_scatter`` and ``allgather``; "auto" picks one with the
-cost model (:mod:`collectives.costmodel`), and :func:`explain` says which and
+cost model (:mod:`collectives.tuning.costmodel`), and :func:`explain` says which and
 why. ``broadcast(buf, comm)`` copies rank 0's buffer to every rank.
 
 ``neighbor_allreduce(buf, weights, comm)`` averages each rank's buffer with its
-in-neighbors' over a graph (:mod:`collectives.neighbor`), one row of a mixing
+in-neighbors' over a graph (:mod:`collectives.partial.neighbor`), one row of a mixing
 matrix per rank (:class:`NeighborWeights`).
 
 :class:`PReduce` averages a buffer among a group of ranks handed out by the
@@ -17,19 +17,42 @@ group generator lock service (:class:`GroupGenerator`, policies
 :data:`POLICIES`); :class:`GroupComm` runs a kernel on a group of ranks.
 """
 
-from .api import ALGORITHMS, DEFAULT_ALGORITHM, allreduce, broadcast, explain
-from .buffers import DTYPES, FlatBuffer, as_flat
+from .api import ALGORITHMS, DEFAULT_ALGORITHM, allreduce, broadcast, cost_params, explain
 from .errors import ArgumentError, CollectiveError
-from .group_comm import GroupComm
-from .group_generator import POLICIES, Group, GroupGenerator, static_group, static_groups
-from .neighbor import NeighborWeights, neighbor_allreduce
-from .ops import OPS, Reduction, reduction
-from .preduce import GROUP_KERNELS, PReduce, PReduceStats
-from .ring import allgather, reduce_scatter
+from .kernels.ring import allgather, reduce_scatter
+from .partial.group_comm import GroupComm
+from .partial.group_generator import POLICIES, Group, GroupGenerator, static_group, static_groups
+from .partial.neighbor import NeighborWeights, neighbor_allreduce
+from .partial.preduce import GROUP_KERNELS, PReduce, PReduceStats
+from .transport.buffers import DTYPES, FlatBuffer, as_flat
+from .transport.ops import OPS, Reduction, reduction
 
 __all__ = [
-    "ALGORITHMS", "DEFAULT_ALGORITHM", "DTYPES", "GROUP_KERNELS", "OPS", "POLICIES", "ArgumentError",
-    "CollectiveError", "FlatBuffer", "Group", "GroupComm", "GroupGenerator", "NeighborWeights", "PReduce",
-    "PReduceStats", "Reduction", "allgather", "allreduce", "as_flat", "broadcast", "explain",
-    "neighbor_allreduce", "reduce_scatter", "reduction", "static_group", "static_groups",
+    "ALGORITHMS",
+    "DEFAULT_ALGORITHM",
+    "DTYPES",
+    "GROUP_KERNELS",
+    "OPS",
+    "POLICIES",
+    "ArgumentError",
+    "CollectiveError",
+    "FlatBuffer",
+    "Group",
+    "GroupComm",
+    "GroupGenerator",
+    "NeighborWeights",
+    "PReduce",
+    "PReduceStats",
+    "Reduction",
+    "allgather",
+    "allreduce",
+    "as_flat",
+    "broadcast",
+    "cost_params",
+    "explain",
+    "neighbor_allreduce",
+    "reduce_scatter",
+    "reduction",
+    "static_group",
+    "static_groups",
 ]

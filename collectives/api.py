@@ -19,86 +19,25 @@ from __future__ import annotations
 
 import importlib
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from . import (butterfly, costmodel, gpu, halving_doubling, hierarchical_ring, hierarchy, reduce_broadcast,
-               p2p, ring, shm, torus2d, validation)
-from .buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code, host_view
-from .context import Context, context
+from . import validation
 from .errors import ArgumentError
-from .layout import Layout, RanksPerNode
-from .layout import layout as node_layout
-from .ops import OPS, Reduction, reduction
+from .kernels import reduce_broadcast, shm
+from .kernels.plans import PLANNERS, Planner, Request, Run, Shm
+from .topology import hierarchy
+from .topology.layout import Layout, RanksPerNode
+from .topology.layout import layout as node_layout
+from .transport import gpu, p2p
+from .transport.buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code, host_view
+from .transport.context import Context, context
+from .transport.ops import OPS, Reduction, reduction
+from .tuning import calibration, costmodel
 
 log = logging.getLogger("collectives.auto")
-
-#: A flat algorithm kernel: reduces a non-empty 1-D array in place across a
-#: communicator (``avg`` is finished by the caller).
-Kernel = Callable[[Any, MPI.Comm, Reduction], None]
-#: A plan: an algorithm bound to its communicators; reduces (x, reduction).
-Run = Callable[[Any, Reduction], None]
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a planner needs: the caller's communicator and the topology options."""
-
-    comm: MPI.Comm
-    ctx: Context
-    layout: RanksPerNode
-    grid: Optional[tuple[int, int]]
-
-
-Planner = Callable[[Request], Run]
-
-
-def _flat(kernel: Kernel) -> Planner:
-    def plan(req: Request) -> Run:
-        comm = req.ctx.comm
-        return lambda x, red: kernel(x, comm, red)
-    return plan
-
-
-def _plan_hierarchical_ring(req: Request) -> Run:
-    node, leaders = hierarchy.node_comms(req.ctx, node_layout(req.comm, req.layout))
-    return lambda x, red: hierarchical_ring.allreduce(x, node, leaders, red)
-
-
-def _plan_torus2d(req: Request) -> Run:
-    lay = node_layout(req.comm, req.layout)
-    grid = hierarchy.check_grid(req.grid, req.ctx.size) if req.grid is not None else hierarchy.default_grid(lay)
-    row, col = hierarchy.grid_comms(req.ctx, grid, lay)
-    return lambda x, red: torus2d.allreduce(x, row, col, red)
-
-
-class _Shm:
-    """The "shm" plan: one node's ranks reduce in shared memory; several nodes add a
-    ring among the node leaders (:func:`collectives.shm.hierarchical`). Device
-    arrays are staged through host memory."""
-
-    def __init__(self, req: Request) -> None:
-        lay = node_layout(req.comm, req.layout)
-        if not shm.capable(req.ctx, lay):
-            raise ArgumentError(f"algorithm 'shm': the layout {lay} groups ranks that share no memory")
-        self.seg = shm.node_segment(req.ctx, lay)
-        self.leaders = hierarchy.node_comms(req.ctx, lay)[1] if lay.nodes > 1 else None
-
-    def __call__(self, x: Any, red: Reduction) -> None:
-        if type(x) is not np.ndarray:
-            gpu.on_host(x, lambda host: self(host, reduction(red.op, red.dtype)))
-        elif self.leaders is not None:
-            shm.hierarchical(x, self.seg, self.leaders, red)
-        elif self.seg is not None:
-            shm.allreduce(x, self.seg, red)
-
-    def carrier(self, ctx: Context) -> Optional[shm.Segment]:
-        """The segment in which host arrays can be reduced with the check riding
-        along: on one node of all of ``ctx``'s ranks, the segment the check uses."""
-        return self.seg if self.leaders is None and self.seg is shm.shared(ctx) else None
 
 
 class _Auto:
@@ -107,9 +46,9 @@ class _Auto:
     def __init__(self, req: Request) -> None:
         self.req = req
         self.layout = node_layout(req.comm, req.layout)
-        self.runs = {name: ALGORITHMS[name](req) for name in _candidates(req.ctx, self.layout, np)}
+        self.runs = {name: PLANNERS[name](req) for name in _candidates(req.ctx, self.layout, np)}
         self.chosen: dict[tuple[int, Any, bool], str] = {}
-        costmodel.params_for(req.comm, self.layout, req.ctx.cache)  # calibrate now, while every rank is here
+        _params(req.comm, self.layout, req.ctx)  # calibrate now, while every rank is here
 
     def algorithm_for(self, nbytes: int, xp: Any = np, validate: bool = False) -> str:
         """The algorithm run for ``nbytes`` of ``xp`` memory, with or without the
@@ -128,16 +67,7 @@ class _Auto:
 
 
 #: Registered all-reduce algorithms: name -> planner.
-ALGORITHMS: dict[str, Planner] = {
-    "ring": _flat(ring.allreduce),
-    "halving_doubling": _flat(halving_doubling.allreduce),
-    "butterfly": _flat(butterfly.allreduce),
-    "reduce_broadcast": _flat(reduce_broadcast.allreduce),
-    "hierarchical_ring": _plan_hierarchical_ring,
-    "torus2d": _plan_torus2d,
-    "shm": _Shm,
-    "auto": _Auto,
-}
+ALGORITHMS: dict[str, Planner] = {**PLANNERS, "auto": _Auto}
 
 DEFAULT_ALGORITHM = "auto"
 _WORLD = MPI.COMM_WORLD
@@ -152,11 +82,33 @@ class _Call:
     check (collective), with the way the check can ride along from then on.
     """
 
-    __slots__ = ("ctx", "request", "algorithm", "red", "signature", "header", "agreed", "validate", "operation",
-                 "average", "run", "carrier", "fuse")
+    __slots__ = (
+        "agreed",
+        "algorithm",
+        "average",
+        "carrier",
+        "ctx",
+        "fuse",
+        "header",
+        "operation",
+        "red",
+        "request",
+        "run",
+        "signature",
+        "validate",
+    )
 
-    def __init__(self, ctx: Context, comm: MPI.Comm, algorithm: str, op: str, flat: FlatBuffer,
-                 layout: RanksPerNode, grid: Optional[tuple[int, int]], validate: bool) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        comm: MPI.Comm,
+        algorithm: str,
+        op: str,
+        flat: FlatBuffer,
+        layout: RanksPerNode,
+        grid: tuple[int, int] | None,
+        validate: bool,
+    ) -> None:
         if algorithm not in ALGORITHMS:
             raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
         self.red = reduction(op, flat.dtype, array_module(flat.data))
@@ -172,8 +124,8 @@ class _Call:
         self.agreed = self.header * ctx.size  # every rank's header when all agree
         self.operation = f"allreduce(algorithm={algorithm!r})"
         self.average = op == "avg"
-        self.run: Optional[Run] = None
-        self.carrier: Optional[shm.Segment] = None
+        self.run: Run | None = None
+        self.carrier: shm.Segment | None = None
         self.fuse = False
 
     def __call__(self, x: Any) -> None:
@@ -182,12 +134,15 @@ class _Call:
         if seg is not None:  # the check rides in the shared segment
             seg.post(self.header)
             shm.allreduce(x, seg, red, self.verify)
-        elif not self.validate or not validation.check(self.ctx, "allreduce", None, self.signature, _field_names,
-                                                       x if self.fuse else None, red):
-            if x.shape[0]:
-                if type(x) is not np.ndarray:
-                    gpu.ensure(self.ctx.comm, FlatBuffer(x, red.dtype, x))
-                (self.run or self.bind(x))(x, red)
+        elif (
+            not self.validate
+            or not validation.check(
+                self.ctx, "allreduce", None, self.signature, _field_names, x if self.fuse else None, red
+            )
+        ) and x.shape[0]:  # the data moves unless the check already carried it
+            if type(x) is not np.ndarray:
+                gpu.ensure(self.ctx.comm, FlatBuffer(x, red.dtype, x))
+            (self.run or self.bind(x))(x, red)
         if self.average:
             red.finalize(x, self.ctx.size)
 
@@ -209,15 +164,22 @@ class _Call:
             name = plan.algorithm_for(x.nbytes, np if type(x) is np.ndarray else array_module(x), self.validate)
             run = plan.runs[name]
         if self.validate and type(x) is np.ndarray and ctx.size > 1:
-            self.carrier = run.carrier(ctx) if isinstance(run, _Shm) else None
+            self.carrier = run.carrier(ctx) if isinstance(run, Shm) else None
             self.fuse = name == "butterfly" and x.nbytes <= validation.FUSE_LIMIT and shm.shared(ctx) is None
         self.run = run
         return run
 
 
-def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
-              algorithm: str = DEFAULT_ALGORITHM, *, validate: Optional[bool] = None,
-              layout: RanksPerNode = None, grid: Optional[tuple[int, int]] = None) -> Any:
+def allreduce(
+    buf: Any,
+    comm: MPI.Comm | None = None,
+    op: str = "sum",
+    algorithm: str = DEFAULT_ALGORITHM,
+    *,
+    validate: bool | None = None,
+    layout: RanksPerNode = None,
+    grid: tuple[int, int] | None = None,
+) -> Any:
     """Reduce ``buf`` element-wise across all ranks of ``comm``, in place, and return it.
 
     Args:
@@ -273,10 +235,10 @@ def allreduce(buf: Any, comm: Optional[MPI.Comm] = None, op: str = "sum",
     return buf
 
 
-def broadcast(buf: Any, comm: Optional[MPI.Comm] = None, *, validate: Optional[bool] = None) -> Any:
+def broadcast(buf: Any, comm: MPI.Comm | None = None, *, validate: bool | None = None) -> Any:
     """Copy rank 0's ``buf`` into ``buf`` on every rank of ``comm``, in place, and return it.
 
-    A binomial tree (:func:`collectives.reduce_broadcast.broadcast`):
+    A binomial tree (:func:`collectives.kernels.reduce_broadcast.broadcast`):
     ceil(lg p) (alpha + n beta). Buffers and validation as for
     :func:`allreduce` (same length and dtype on every rank).
     """
@@ -298,9 +260,15 @@ def broadcast(buf: Any, comm: Optional[MPI.Comm] = None, *, validate: Optional[b
     return buf
 
 
-def explain(nbytes: int, comm: Optional[MPI.Comm] = None, *, layout: RanksPerNode = None,
-            grid: Optional[tuple[int, int]] = None, device: str = "cpu",
-            validate: Optional[bool] = None) -> costmodel.Choice:
+def explain(
+    nbytes: int,
+    comm: MPI.Comm | None = None,
+    *,
+    layout: RanksPerNode = None,
+    grid: tuple[int, int] | None = None,
+    device: str = "cpu",
+    validate: bool | None = None,
+) -> costmodel.Choice:
     """What ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``comm`` (in
     host memory, or GPU memory with ``device="cuda"``; with the argument check
     as ``validate`` resolves, see :func:`allreduce`), every candidate's
@@ -311,11 +279,29 @@ def explain(nbytes: int, comm: Optional[MPI.Comm] = None, *, layout: RanksPerNod
     return _choose(context(user), user, node_layout(user, layout), nbytes, grid, xp, validation.enabled(validate))
 
 
-def _choose(ctx: Context, comm: MPI.Comm, lay: Layout, nbytes: int, grid: Optional[tuple[int, int]], xp: Any,
-            validate: bool) -> costmodel.Choice:
+def _choose(
+    ctx: Context, comm: MPI.Comm, lay: Layout, nbytes: int, grid: tuple[int, int] | None, xp: Any, validate: bool
+) -> costmodel.Choice:
     """The cost model's choice for ``auto`` (collective on first use: it may calibrate)."""
-    return costmodel.choose(nbytes, lay, costmodel.params_for(comm, lay, ctx.cache, xp), grid,
-                            _candidates(ctx, lay, xp), validate)
+    return costmodel.choose(nbytes, lay, _params(comm, lay, ctx, xp), grid, _candidates(ctx, lay, xp), validate)
+
+
+def cost_params(comm: MPI.Comm | None = None, *, layout: RanksPerNode = None, device: str = "cpu") -> costmodel.Params:
+    """The cost-model parameters ``algorithm="auto"`` uses on ``comm`` for host
+    (or, with ``device="cuda"``, GPU) buffers: loaded from ``MPIDL_COSTMODEL``,
+    or calibrated on first use (collective) and cached on the communicator."""
+    user = _WORLD if comm is None else comm
+    xp = np if device == "cpu" else importlib.import_module("cupy")
+    return _params(user, node_layout(user, layout), context(user), xp)
+
+
+def _params(comm: MPI.Comm, lay: Layout, ctx: Context, xp: Any = np) -> costmodel.Params:
+    """The parameters for ``xp`` memory on ``comm`` (:func:`~collectives.tuning.calibration.params_for`),
+    the entry point's own per-call overhead timed with an empty, unchecked all-reduce."""
+    empty = np.zeros(0, np.float32)
+    return calibration.params_for(
+        comm, lay, ctx.cache, xp, entry=lambda: allreduce(empty, comm, algorithm="ring", validate=False)
+    )
 
 
 def _candidates(ctx: Context, lay: Layout, xp: Any) -> list[str]:

@@ -5,7 +5,7 @@ dtype, op, algorithm and options, packed into a 48-byte header
 (:func:`header`).
 
 On a communicator whose ranks all share one node's memory, every rank writes
-its header into the communicator's shared segment (:mod:`collectives.shm`),
+its header into the communicator's shared segment (:mod:`collectives.kernels.shm`),
 passes one shared-memory barrier and compares all headers (:func:`verify`):
 no message at all. The shared-memory all-reduce posts its header the same
 way and uses its own first barrier, so there the check costs nothing extra;
@@ -14,7 +14,7 @@ bad buffer, another does not) still meet at the same barrier.
 
 Elsewhere the check is a recursive-doubling exchange
 of a 48-byte header on the private communicator, folded for non-powers of two
-like the butterfly (:mod:`collectives.fold`): each rank carries a flag and a
+like the butterfly (:mod:`collectives.kernels.fold`): each rank carries a flag and a
 reference signature (the lowest rank's of the ranks it has heard from); on
 every exchange the flags OR together with "the two references differ" and
 "the message had an unexpected size", and both partners keep the lower
@@ -42,18 +42,20 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
-from . import p2p, shm
-from .context import Context
 from .errors import ArgumentError
-from .fold import fold_of
-from .ops import Reduction
-from .scratch import scratch
+from .kernels import shm
+from .kernels.fold import fold_of
+from .transport import p2p
+from .transport.context import Context
+from .transport.ops import Reduction
+from .transport.scratch import scratch
 
 #: Names of the signature fields, in order.
 FIELDS = ("error", "length", "dtype", "op", "algorithm", "options")
@@ -74,7 +76,7 @@ _FALSE = {"0", "false", "no", "off"}
 _default = os.environ.get("MPIDL_VALIDATE", "1").strip().lower() not in _FALSE
 
 
-def enabled(validate: Optional[bool]) -> bool:
+def enabled(validate: bool | None) -> bool:
     """Resolve a ``validate=`` argument; None means the default (see :func:`set_default`)."""
     return _default if validate is None else bool(validate)
 
@@ -96,9 +98,15 @@ def code(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def check(ctx: Context, what: str, problem: Optional[ArgumentError], signature: Sequence[int],
-          names: Callable[[], Sequence[dict[int, str]]] = tuple, data: Any = None,
-          red: Optional[Reduction] = None) -> bool:
+def check(
+    ctx: Context,
+    what: str,
+    problem: ArgumentError | None,
+    signature: Sequence[int],
+    names: Callable[[], Sequence[dict[int, str]]] = tuple,
+    data: Any = None,
+    red: Reduction | None = None,
+) -> bool:
     """Raise the same ArgumentError on every rank unless all agree and none has a problem.
 
     Collective over ``ctx.comm``.
@@ -130,8 +138,8 @@ def check(ctx: Context, what: str, problem: Optional[ArgumentError], signature: 
     ref = (0,) * (len(FIELDS) - 1) if problem is not None else tuple(signature)
     flag = int(problem is not None)
     if nbytes:
-        mine = out[_H:_H + nbytes].view(data.dtype)
-        theirs = got[_H:_H + nbytes].view(data.dtype)
+        mine = out[_H : _H + nbytes].view(data.dtype)
+        theirs = got[_H : _H + nbytes].view(data.dtype)
         np.copyto(mine, data)
     comm, status, size = ctx.comm, _status(ctx), _H + nbytes
 
@@ -176,13 +184,19 @@ def check(ctx: Context, what: str, problem: Optional[ArgumentError], signature: 
 _U8_EMPTY = np.empty(0, np.uint8)
 
 
-def header(problem: Optional[ArgumentError], signature: Sequence[int]) -> bytes:
+def header(problem: ArgumentError | None, signature: Sequence[int]) -> bytes:
     """This rank's header: the problem flag, then the signature (zeros with a problem)."""
     return _HEADER.pack(1, *(0,) * (len(FIELDS) - 1)) if problem is not None else _HEADER.pack(0, *signature)
 
 
-def verify(ctx: Context, what: str, problem: Optional[ArgumentError], signature: Sequence[int],
-           names: Callable[[], Sequence[dict[int, str]]], headers: bytes) -> None:
+def verify(
+    ctx: Context,
+    what: str,
+    problem: ArgumentError | None,
+    signature: Sequence[int],
+    names: Callable[[], Sequence[dict[int, str]]],
+    headers: bytes,
+) -> None:
     """Raise the same ArgumentError on every rank unless ``headers`` (every rank's
     :func:`header`, in rank order) are all alike and flag no problem."""
     if headers != headers[:_H] * ctx.size or headers[:8] != _CLEAR:
@@ -196,8 +210,9 @@ def _status(ctx: Context) -> MPI.Status:
     return status
 
 
-def _raise(ctx: Context, what: str, problem: Optional[ArgumentError], signature: Sequence[int],
-           names: Sequence[dict[int, str]]) -> None:
+def _raise(
+    ctx: Context, what: str, problem: ArgumentError | None, signature: Sequence[int], names: Sequence[dict[int, str]]
+) -> None:
     """Gather everyone's signature and problem, then raise the error every rank raises alike."""
     rows = ctx.comm.allgather((str(problem), None) if problem is not None else (None, tuple(signature)))
     bad = [r for r, (message, _) in enumerate(rows) if message is not None]

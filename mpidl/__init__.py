@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from collectives import (  # noqa: E402  (re-exported public API)
+from collectives import (
     ALGORITHMS,
     OPS,
     ArgumentError,
@@ -16,6 +16,6 @@ from collectives import (  # noqa: E402  (re-exported public API)
     allreduce,
 )
 
-from .runtime import init  # noqa: E402
+from .runtime import init
 
-__all__ = ["ALGORITHMS", "OPS", "ArgumentError", "CollectiveError", "allreduce", "init", "__version__"]
+__all__ = ["ALGORITHMS", "OPS", "ArgumentError", "CollectiveError", "__version__", "allreduce", "init"]

@@ -10,7 +10,7 @@ divided by the candidate's: above 1 the candidate is faster. "vs bound" is
 the bandwidth lower bound 2(n-1)/n * size * beta (Patarasuk & Yuan; beta
 calibrated for the slowest link in use) divided by the time: 1 would be a
 perfect bandwidth-optimal algorithm with free reductions. "model" is the cost
-model's prediction (:mod:`collectives.costmodel`, with the argument check as
+model's prediction (:mod:`collectives.tuning.costmodel`, with the argument check as
 the run has it); ``auto`` is listed with the algorithm it chose. After the
 table a summary gives, per size, auto's time over the best fixed
 algorithm's and native's over auto's, and at the smallest and largest sizes
@@ -33,21 +33,33 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
 import collectives
-from collectives import costmodel, gpu
-from collectives.context import context
-from collectives.layout import layout
+from collectives.topology.layout import layout
+from collectives.transport import gpu
+from collectives.tuning import costmodel
 
 from . import plotting
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
 
 
 @dataclass
@@ -69,7 +81,7 @@ def parse_size(text: str) -> int:
     """Parse "4K", "16MiB", "1048576" into bytes."""
     t = text.strip().upper()
     digits = t.rstrip("KMGIB")
-    unit = t[len(digits):]
+    unit = t[len(digits) :]
     if not digits.isdigit() or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4K, 16M, 1G or a byte count")
     return int(digits) * _UNITS[unit]
@@ -88,14 +100,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated message sizes (default {DEFAULT_SIZES})")
     p.add_argument("--algorithms", default="all", help="comma-separated algorithm names, or 'all'")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "int32", "int64"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cuda: CuPy buffers in GPU memory (needs the cupy extra and a GPU)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: CuPy buffers in GPU memory (needs the cupy extra and a GPU)",
+    )
     p.add_argument("--repeat", type=int, default=11, help="timed repetitions per size (median reported)")
-    p.add_argument("--batch-time", type=float, default=0.01,
-                   help="seconds each timed batch aims for; small messages run many calls per batch")
+    p.add_argument(
+        "--batch-time",
+        type=float,
+        default=0.01,
+        help="seconds each timed batch aims for; small messages run many calls per batch",
+    )
     p.add_argument("--no-validate", action="store_true", help="time mpidl without the cross-rank argument check")
-    p.add_argument("--tuned-malloc", action="store_true",
-                   help="also time native MPI_Allreduce with mallopt keeping freed memory (see above)")
+    p.add_argument(
+        "--tuned-malloc",
+        action="store_true",
+        help="also time native MPI_Allreduce with mallopt keeping freed memory (see above)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--csv", metavar="FILE", help="write the results as CSV")
     p.add_argument("--plot", metavar="FILE.png", help="plot time vs size, one line per algorithm (needs matplotlib)")
@@ -105,7 +128,7 @@ def candidates(names: Sequence[str], validate: bool, device: str = "cpu") -> dic
     """Callables that all-reduce a buffer in place (native out-of-place: into a
     second buffer), by candidate name. On "cuda" each call ends with a stream
     synchronisation, and native MPI gets device pointers only if the MPI
-    library is GPU-aware (:mod:`collectives.gpu`); otherwise it is timed with
+    library is GPU-aware (:mod:`collectives.transport.gpu`); otherwise it is timed with
     the same staging through pinned host memory ("native_staged")."""
     from mpi4py import MPI
 
@@ -126,12 +149,14 @@ def candidates(names: Sequence[str], validate: bool, device: str = "cpu") -> dic
             out["native"] = lambda x: (sync(), comm.Allreduce(x, other(x)), sync())
             out["native_inplace"] = lambda x: (sync(), comm.Allreduce(MPI.IN_PLACE, x), sync())
         else:
+
             def staged(x: Any) -> None:
                 host = spare.setdefault(("host", x.nbytes), cupy.cuda.alloc_pinned_memory(x.nbytes))
                 h = np.frombuffer(host, x.dtype, x.size)
                 x.get(out=h)
                 comm.Allreduce(MPI.IN_PLACE, h)
                 x.set(h)
+
             out["native_staged"] = staged
         for name in names:
             out[name] = lambda x, name=name: (collectives.allreduce(x, comm, "sum", name, validate=validate), sync())
@@ -143,9 +168,17 @@ def candidates(names: Sequence[str], validate: bool, device: str = "cpu") -> dic
     return out
 
 
-def run(sizes: Sequence[int], names: Sequence[str], dtype: str = "float32", repeat: int = 11,
-        batch_time: float = 0.01, validate: bool = True, tuned_malloc: bool = False,
-        progress: bool = True, device: str = "cpu") -> list[Result]:
+def run(
+    sizes: Sequence[int],
+    names: Sequence[str],
+    dtype: str = "float32",
+    repeat: int = 11,
+    batch_time: float = 0.01,
+    validate: bool = True,
+    tuned_malloc: bool = False,
+    progress: bool = True,
+    device: str = "cpu",
+) -> list[Result]:
     """Run the sweep (collective over COMM_WORLD) and return every rank the results.
 
     Each result also carries the cost model's prediction (mpidl's algorithms)
@@ -158,7 +191,7 @@ def run(sizes: Sequence[int], names: Sequence[str], dtype: str = "float32", repe
     n = comm.Get_size()
     lay = layout(comm)
     xp = np if device == "cpu" else importlib.import_module("cupy")
-    prm = costmodel.params_for(comm, lay, context(comm).cache, xp)
+    prm = collectives.cost_params(comm, device=device)
     fns = candidates(names, validate, device)
     results: list[Result] = []
     steps = [(size, phase) for size in sizes for phase in (["default", "tuned"] if tuned_malloc else ["default"])]
@@ -237,14 +270,18 @@ def _progress(total: int, show: bool):
 
 def table(results: Sequence[Result], nranks: int) -> str:
     """The results as a text table, one block per size."""
-    lines = [f"{'size':>9}  {'algorithm':<22} {'time (us)':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} "
-             f"{'vs native':>9} {'vs bound':>8} {'model (us)':>10}"]
+    lines = [
+        f"{'size':>9}  {'algorithm':<22} {'time (us)':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} "
+        f"{'vs native':>9} {'vs bound':>8} {'model (us)':>10}"
+    ]
     for size in sorted({r.size for r in results}):
         for r in (q for q in results if q.size == size):
             model = f"{r.predicted * 1e6:10.1f}" if r.predicted else f"{'-':>10}"
             name = f"auto ({r.chosen})" if r.chosen else r.algorithm
-            lines.append(f"{human(size):>9}  {name:<22} {r.time * 1e6:11.1f} {r.algbw / 1e9:10.3f} "
-                         f"{r.busbw / 1e9:10.3f} {r.vs_native:9.2f} {r.vs_bound:8.2f} {model}")
+            lines.append(
+                f"{human(size):>9}  {name:<22} {r.time * 1e6:11.1f} {r.algbw / 1e9:10.3f} "
+                f"{r.busbw / 1e9:10.3f} {r.vs_native:9.2f} {r.vs_bound:8.2f} {model}"
+            )
     return "\n".join(lines)
 
 
@@ -263,21 +300,26 @@ def summary(results: Sequence[Result], tie: float = 0.1) -> str:
         if auto is None or not fixed:
             continue
         best = min(fixed, key=lambda r: r.time)
-        lines.append(f"{human(size):>9}  {auto.chosen:<18} {best.algorithm:<18} {auto.time / best.time:9.2f} "
-                     f"{native.algorithm:<24} {native.time / auto.time:11.2f}")
+        lines.append(
+            f"{human(size):>9}  {auto.chosen:<18} {best.algorithm:<18} {auto.time / best.time:9.2f} "
+            f"{native.algorithm:<24} {native.time / auto.time:11.2f}"
+        )
     for size in dict.fromkeys((sizes[0], sizes[-1])):
         fixed = {r.algorithm: r for r in results if r.size == size and r.algorithm in costmodel.MODELS}
         if len(fixed) < 2:
             continue
         model = sorted(fixed, key=lambda a: fixed[a].predicted)
         measured = sorted(fixed, key=lambda a: fixed[a].time)
-        wrong = [(a, b) for i, a in enumerate(model) for b in model[i + 1:]
-                 if fixed[a].time > fixed[b].time * (1 + tie)]
+        wrong = [
+            (a, b) for i, a in enumerate(model) for b in model[i + 1 :] if fixed[a].time > fixed[b].time * (1 + tie)
+        ]
         lines.append(f"{human(size)}: model order {' < '.join(model)}")
         lines.append(f"{human(size)}: measured    {' < '.join(measured)}")
-        lines.append(f"{human(size)}: pairs the model orders wrongly (beyond a {tie:.0%} tie): "
-                     + (", ".join(f"{a} before {b}" for a, b in wrong) or "none")
-                     + f" ({len(wrong)} of {len(model) * (len(model) - 1) // 2})")
+        lines.append(
+            f"{human(size)}: pairs the model orders wrongly (beyond a {tie:.0%} tie): "
+            + (", ".join(f"{a} before {b}" for a, b in wrong) or "none")
+            + f" ({len(wrong)} of {len(model) * (len(model) - 1) // 2})"
+        )
     return "\n".join(lines)
 
 
@@ -301,8 +343,13 @@ def plot(results: Sequence[Result], path: str, meta: dict) -> None:
     fig, ax = plotting.pyplot().subplots(figsize=(7, 4.5))
     for name in dict.fromkeys(r.algorithm for r in results):
         pts = sorted((r.size, r.time) for r in results if r.algorithm == name)
-        ax.plot([p[0] for p in pts], [p[1] * 1e6 for p in pts], marker="o", label=name,
-                linestyle="--" if name.startswith("native") else "-")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] * 1e6 for p in pts],
+            marker="o",
+            label=name,
+            linestyle="--" if name.startswith("native") else "-",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("message size (bytes)")
@@ -323,21 +370,37 @@ def main(args: argparse.Namespace) -> int:
     unknown = [a for a in names if a not in collectives.ALGORITHMS]
     if unknown:
         if comm.Get_rank() == 0:
-            print(f"mpidl bench: unknown algorithm(s) {unknown}; valid: {', '.join(collectives.ALGORITHMS)}",
-                  file=sys.stderr)
+            print(
+                f"mpidl bench: unknown algorithm(s) {unknown}; valid: {', '.join(collectives.ALGORITHMS)}",
+                file=sys.stderr,
+            )
         return 2
-    results = run(sizes, names, args.dtype, args.repeat, args.batch_time, not args.no_validate, args.tuned_malloc,
-                  device=args.device)
+    results = run(
+        sizes,
+        names,
+        args.dtype,
+        args.repeat,
+        args.batch_time,
+        not args.no_validate,
+        args.tuned_malloc,
+        device=args.device,
+    )
     if comm.Get_rank() == 0:
-        xp = np if args.device == "cpu" else importlib.import_module("cupy")
-        prm = costmodel.params_for(comm, layout(comm), context(comm).cache, xp)
-        meta = {"ranks": comm.Get_size(), "dtype": args.dtype, "validate": not args.no_validate,
-                "device": args.device if args.device == "cpu" else f"cuda, transport {gpu.PATH}",
-                "layout": str(layout(comm)), "costmodel": str(prm),
-                "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
-                "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split())}
-        print(f"# mpidl bench: {meta['ranks']} ranks, {meta['dtype']} on {meta['device']}, {meta['mpi']}, validation "
-              f"{'on' if meta['validate'] else 'off'}, GLIBC_TUNABLES={meta['GLIBC_TUNABLES'] or '(unset)'}")
+        prm = collectives.cost_params(comm, device=args.device)
+        meta = {
+            "ranks": comm.Get_size(),
+            "dtype": args.dtype,
+            "validate": not args.no_validate,
+            "device": args.device if args.device == "cpu" else f"cuda, transport {gpu.PATH}",
+            "layout": str(layout(comm)),
+            "costmodel": str(prm),
+            "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
+            "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+        }
+        print(
+            f"# mpidl bench: {meta['ranks']} ranks, {meta['dtype']} on {meta['device']}, {meta['mpi']}, validation "
+            f"{'on' if meta['validate'] else 'off'}, GLIBC_TUNABLES={meta['GLIBC_TUNABLES'] or '(unset)'}"
+        )
         print(f"# {meta['layout']}; cost model: {meta['costmodel']}")
         print(table(results, comm.Get_size()))
         print("# auto against the best fixed algorithm and native; the cost model's order")

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -75,7 +75,7 @@ def save(directory: str, step: int, comm: MPI.Comm, arrays: dict[str, np.ndarray
     comm.Barrier()
 
 
-def latest(directory: str) -> Optional[str]:
+def latest(directory: str) -> str | None:
     """The newest complete checkpoint's folder name in ``directory``, or None."""
     try:
         with open(os.path.join(directory, _LATEST)) as f:

@@ -3,14 +3,15 @@
 Run it under the MPI launcher, e.g. ``mpiexec -n 2 mpidl info``; rank 0
 prints, every rank takes part. An uncaught exception on any rank aborts the
 whole job (exit code 2), and a transfer blocked for 10 minutes aborts it too
-(exit code 3; see :mod:`collectives.watchdog`).
+(exit code 3; see :mod:`collectives.transport.watchdog`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import IO, NoReturn, Optional, Sequence
+from collections.abc import Sequence
+from typing import IO, NoReturn
 
 from mpi4py import MPI
 
@@ -25,15 +26,15 @@ class _Parser(argparse.ArgumentParser):
     """An argument parser that prints help, usage and errors on rank 0 only: every
     rank parses the same command line, and one copy of a message is enough."""
 
-    def print_help(self, file: Optional[IO[str]] = None) -> None:
+    def print_help(self, file: IO[str] | None = None) -> None:
         if MPI.COMM_WORLD.Get_rank() == 0:
             super().print_help(file)
 
-    def print_usage(self, file: Optional[IO[str]] = None) -> None:
+    def print_usage(self, file: IO[str] | None = None) -> None:
         if MPI.COMM_WORLD.Get_rank() == 0:
             super().print_usage(file)
 
-    def exit(self, status: int = 0, message: Optional[str] = None) -> NoReturn:
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         super().exit(status, message if MPI.COMM_WORLD.Get_rank() == 0 else None)
 
 
@@ -43,22 +44,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("info", help="report the MPI library, thread level, ranks and node layout")
     p.set_defaults(run=info.main)
-    p = sub.add_parser("bench", help="time the all-reduce algorithms against native MPI_Allreduce",
-                       description=bench.__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "bench",
+        help="time the all-reduce algorithms against native MPI_Allreduce",
+        description=bench.__doc__.split("\n\n")[0],
+    )
     bench.add_arguments(p)
     p.set_defaults(run=bench.main)
-    p = sub.add_parser("train", help="train a model with a data-parallel algorithm, metrics per epoch",
-                       description=train.__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "train",
+        help="train a model with a data-parallel algorithm, metrics per epoch",
+        description=train.__doc__.split("\n\n")[0],
+    )
     train.add_arguments(p)
     p.set_defaults(run=train.main)
-    p = sub.add_parser("compare", help="compare mpidl train runs (JSON) by their time to a target accuracy",
-                       description=compare.__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "compare",
+        help="compare mpidl train runs (JSON) by their time to a target accuracy",
+        description=compare.__doc__.split("\n\n")[0],
+    )
     compare.add_arguments(p)
     p.set_defaults(run=compare.main)
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mpidl`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     init(stall_warn=STALL_WARN, stall_abort=STALL_ABORT)

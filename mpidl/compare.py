@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mpi4py import MPI
 
@@ -24,32 +25,39 @@ from mpi4py import MPI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``mpidl compare`` options."""
     p.add_argument("runs", nargs="+", metavar="RUN.json", help="--json files of mpidl train; the first is the baseline")
-    p.add_argument("--target", type=float, metavar="ACC",
-                   help="test accuracy to reach, as a fraction (default: the baseline's final accuracy)")
+    p.add_argument(
+        "--target",
+        type=float,
+        metavar="ACC",
+        help="test accuracy to reach, as a fraction (default: the baseline's final accuracy)",
+    )
 
 
-def time_to(epochs: Sequence[dict[str, Any]], target: float) -> Optional[float]:
+def time_to(epochs: Sequence[dict[str, Any]], target: float) -> float | None:
     """Training time at the end of the first epoch whose test accuracy reached ``target``, or None."""
     return next((e["time_s"] for e in epochs if e["test_acc"] >= target), None)
 
 
-def table(runs: Sequence[tuple[str, dict[str, Any]]], target: Optional[float] = None) -> str:
+def table(runs: Sequence[tuple[str, dict[str, Any]]], target: float | None = None) -> str:
     """The comparison of ``runs`` ((name, parsed JSON) pairs, the baseline first) as text."""
     if target is None:
         target = runs[0][1]["epochs"][-1]["test_acc"]
     base = time_to(runs[0][1]["epochs"], target)
-    lines = [f"# target: test accuracy {100 * target:.2f}% (averaged model); baseline {runs[0][0]}",
-             f"{'run':<24} {'algorithm':<28} {'slowed':<10} {'final acc':>9} {'to target':>10} "
-             f"{'speedup':>8} {'total':>8}"]
+    lines = [
+        f"# target: test accuracy {100 * target:.2f}% (averaged model); baseline {runs[0][0]}",
+        f"{'run':<24} {'algorithm':<28} {'slowed':<10} {'final acc':>9} {'to target':>10} {'speedup':>8} {'total':>8}",
+    ]
     for name, run in runs:
         meta, last = run["meta"], run["epochs"][-1]
         what = meta["algorithm"] + "".join(f" --{k} {v}" for k, v in meta["options"].items())
         slow = ",".join(f"{r}:x{f:g}" for r, f in meta["slow"].items()) or "-"
         reached = time_to(run["epochs"], target)
         speedup = f"{base / reached:8.2f}" if reached and base else f"{'-':>8}"
-        lines.append(f"{name:<24} {what:<28} {slow:<10} {100 * last['test_acc']:8.2f}% "
-                     + (f"{reached:9.2f}s" if reached is not None else f"{'-':>10}")
-                     + f" {speedup} {last['time_s']:7.2f}s")
+        lines.append(
+            f"{name:<24} {what:<28} {slow:<10} {100 * last['test_acc']:8.2f}% "
+            + (f"{reached:9.2f}s" if reached is not None else f"{'-':>10}")
+            + f" {speedup} {last['time_s']:7.2f}s"
+        )
     return "\n".join(lines)
 
 

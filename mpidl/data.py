@@ -36,8 +36,9 @@ import gzip
 import itertools
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Optional
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -83,11 +84,15 @@ class Dataset:
         """Number of features per sample."""
         return int(self.x_train.shape[1])
 
-    def normalized(self) -> "Dataset":
+    def normalized(self) -> Dataset:
         """The dataset with float32 features in [0, 1]."""
         scale = np.float32(1.0 / self.pixel_max)
-        return replace(self, x_train=self.x_train.astype(np.float32) * scale,
-                       x_test=self.x_test.astype(np.float32) * scale, pixel_max=1.0)
+        return replace(
+            self,
+            x_train=self.x_train.astype(np.float32) * scale,
+            x_test=self.x_test.astype(np.float32) * scale,
+            pixel_max=1.0,
+        )
 
 
 def load_digits() -> Dataset:
@@ -98,26 +103,37 @@ def load_digits() -> Dataset:
     except ImportError as exc:
         raise DatasetError("the digits dataset needs scikit-learn: pip install 'mpidl[train]'") from exc
     x, y = sk_load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x.astype(np.uint8), y.astype(np.int64), test_size=TEST_FRACTION,
-                                              random_state=SPLIT_SEED, stratify=y)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        x.astype(np.uint8), y.astype(np.int64), test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y
+    )
     return Dataset("digits", x_tr, y_tr, x_te, y_te, classes=10, pixel_max=16.0)
 
 
-def load_fashion_mnist(data_dir: Optional[str] = None) -> Dataset:
+def load_fashion_mnist(data_dir: str | None = None) -> Dataset:
     """Fashion-MNIST from its IDX files in ``data_dir`` (default :data:`FASHION_MNIST_DIR`)."""
     folder = data_dir or FASHION_MNIST_DIR
-    parts = [read_idx(_find(folder, f"{split}-{kind}")) for split in ("train", "t10k")
-             for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")]
+    parts = [
+        read_idx(_find(folder, f"{split}-{kind}"))
+        for split in ("train", "t10k")
+        for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")
+    ]
     x_tr, y_tr, x_te, y_te = parts
     for x, y in ((x_tr, y_tr), (x_te, y_te)):
         if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
             raise DatasetError(f"Fashion-MNIST in {folder}: images {x.shape} do not match labels {y.shape}")
-    return Dataset("fashion-mnist", x_tr.reshape(len(x_tr), -1), y_tr.astype(np.int64),
-                   x_te.reshape(len(x_te), -1), y_te.astype(np.int64), classes=10, pixel_max=255.0)
+    return Dataset(
+        "fashion-mnist",
+        x_tr.reshape(len(x_tr), -1),
+        y_tr.astype(np.int64),
+        x_te.reshape(len(x_te), -1),
+        y_te.astype(np.int64),
+        classes=10,
+        pixel_max=255.0,
+    )
 
 
 #: Loaders by name; each takes the data directory (None: its default).
-DATASETS: dict[str, Callable[[Optional[str]], Dataset]] = {
+DATASETS: dict[str, Callable[[str | None], Dataset]] = {
     "digits": lambda data_dir: load_digits(),
     "fashion-mnist": load_fashion_mnist,
 }
@@ -147,11 +163,13 @@ def _find(folder: str, stem: str) -> str:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             return path
-    raise DatasetError(f"{stem}[.gz] not found in {folder} (the Debian package dataset-fashion-mnist installs "
-                       f"the files in {FASHION_MNIST_DIR}; --data-dir names another folder)")
+    raise DatasetError(
+        f"{stem}[.gz] not found in {folder} (the Debian package dataset-fashion-mnist installs "
+        f"the files in {FASHION_MNIST_DIR}; --data-dir names another folder)"
+    )
 
 
-def load(name: str, data_dir: Optional[str] = None, comm: Optional[MPI.Comm] = None) -> Dataset:
+def load(name: str, data_dir: str | None = None, comm: MPI.Comm | None = None) -> Dataset:
     """Load dataset ``name`` on rank 0 of ``comm`` and give every rank a normalized copy (collective).
 
     Raises:
@@ -192,13 +210,16 @@ def steps_per_epoch(n: int, size: int, batch_size: int) -> int:
         raise DatasetError(f"batch size must be at least 1, got {batch_size}")
     steps = math.ceil(math.ceil(n / size) / batch_size)
     if n // size < steps:
-        raise DatasetError(f"{n} samples on {size} workers: shards of {n // size} and {n // size + 1} samples "
-                           f"cannot all make {steps} batches; use a batch size of at least 2")
+        raise DatasetError(
+            f"{n} samples on {size} workers: shards of {n // size} and {n // size + 1} samples "
+            f"cannot all make {steps} batches; use a batch size of at least 2"
+        )
     return steps
 
 
-def epoch_batches(indices: np.ndarray, steps: int, seed: int, epoch: int, rank: int,
-                  sweep: int = 0) -> list[np.ndarray]:
+def epoch_batches(
+    indices: np.ndarray, steps: int, seed: int, epoch: int, rank: int, sweep: int = 0
+) -> list[np.ndarray]:
     """Worker ``rank``'s batches in ``epoch``: its shard ``indices`` shuffled by (seed, epoch,
     rank) and cut into ``steps`` consecutive batches of nearly equal size. ``sweep`` > 0
     gives a further pass over the shard in the same epoch, shuffled by (seed, epoch,

@@ -8,11 +8,12 @@ import platform
 import mpi4py
 import numpy as np
 
-from collectives import gpu
-from collectives.layout import layout
+from collectives.topology.layout import layout
+from collectives.transport import gpu
 
 from . import __version__
 from .runtime import init, thread_level
+
 
 def report() -> list[tuple[str, str]]:
     """Collect the report (collective over COMM_WORLD); every rank gets it."""

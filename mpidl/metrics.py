@@ -50,7 +50,8 @@ counted.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mpi4py import MPI
 
@@ -60,8 +61,19 @@ from . import plotting
 from .models import MLP
 
 
-def measure(epoch: int, algo: Any, net: MLP, x_test: Any, y_test: Any, comm: MPI.Comm, *,
-            loss_sum: float, steps: int, time_s: float, epoch_s: float) -> dict[str, Any]:
+def measure(
+    epoch: int,
+    algo: Any,
+    net: MLP,
+    x_test: Any,
+    y_test: Any,
+    comm: MPI.Comm,
+    *,
+    loss_sum: float,
+    steps: int,
+    time_s: float,
+    epoch_s: float,
+) -> dict[str, Any]:
     """Evaluate after ``epoch`` (collective) and return its record (module docstring) on every rank.
 
     ``loss_sum``, ``steps``, ``time_s`` and ``epoch_s`` are this worker's: the sum
@@ -73,8 +85,17 @@ def measure(epoch: int, algo: Any, net: MLP, x_test: Any, y_test: Any, comm: MPI
     test_loss, test_acc = net.evaluate(average, x_test, y_test)
     _, own_acc = net.evaluate(algo.params, x_test, y_test)
     distance, norm = net.squared_norms(algo.params, average)
-    mine = (own_acc, distance / norm if norm else 0.0, loss_sum, steps, algo.iterations, algo.bytes_sent,
-            algo.comm_wait_s, time_s, epoch_s)
+    mine = (
+        own_acc,
+        distance / norm if norm else 0.0,
+        loss_sum,
+        steps,
+        algo.iterations,
+        algo.bytes_sent,
+        algo.comm_wait_s,
+        time_s,
+        epoch_s,
+    )
     acc, consensus, losses, taken, iterations, sent, wait, times, epoch_times = map(list, zip(*comm.allgather(mine)))
     n = len(acc)
     per_step = [b / max(i, 1) for b, i in zip(sent, iterations)]
@@ -93,19 +114,27 @@ def measure(epoch: int, algo: Any, net: MLP, x_test: Any, y_test: Any, comm: MPI
         "bytes_per_step_mean": sum(per_step) / n,
         "bytes_per_step_max": max(per_step),
         "bytes_total": sum(sent),
-        "workers": {"test_acc": acc, "consensus": consensus,
-                    "train_loss": [s / k if k else None for s, k in zip(losses, taken)], "iterations": iterations,
-                    "bytes_sent": sent, "comm_wait_s": wait, "time_s": times},
+        "workers": {
+            "test_acc": acc,
+            "consensus": consensus,
+            "train_loss": [s / k if k else None for s, k in zip(losses, taken)],
+            "iterations": iterations,
+            "bytes_sent": sent,
+            "comm_wait_s": wait,
+            "time_s": times,
+        },
     }
 
 
 def line(record: dict[str, Any], epochs: int, model_bytes: int) -> str:
     """One epoch's record as the line ``mpidl train`` prints."""
     per_step = record["bytes_per_step_mean"]
-    return (f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs}  time {record['time_s']:7.2f} s  "
-            f"loss {record['train_loss']:.4f}  test acc {100 * record['test_acc']:6.2f}% (averaged model)  "
-            f"{100 * record['test_acc_worst']:6.2f}% (worst worker)  consensus {record['consensus']:.2e}  "
-            f"sent/step {per_step / 1024:8.1f} KiB ({per_step / model_bytes:.2f} x model)")
+    return (
+        f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs}  time {record['time_s']:7.2f} s  "
+        f"loss {record['train_loss']:.4f}  test acc {100 * record['test_acc']:6.2f}% (averaged model)  "
+        f"{100 * record['test_acc_worst']:6.2f}% (worst worker)  consensus {record['consensus']:.2e}  "
+        f"sent/step {per_step / 1024:8.1f} KiB ({per_step / model_bytes:.2f} x model)"
+    )
 
 
 def plot(records: Sequence[dict[str, Any]], path: str, title: str) -> None:
@@ -114,8 +143,7 @@ def plot(records: Sequence[dict[str, Any]], path: str, title: str) -> None:
     for ax, key, label in ((axes[0], "time_s", "training time (s)"), (axes[1], "epoch", "epoch")):
         x = [r[key] for r in records]
         ax.plot(x, [100 * r["test_acc"] for r in records], marker="o", label="averaged model")
-        ax.plot(x, [100 * r["test_acc_worst"] for r in records], marker=".", linestyle="--",
-                label="worst worker")
+        ax.plot(x, [100 * r["test_acc_worst"] for r in records], marker=".", linestyle="--", label="worst worker")
         ax.set_xlabel(label)
     axes[1].xaxis.get_major_locator().set_params(integer=True)
     axes[0].set_ylabel("test accuracy (%)")

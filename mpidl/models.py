@@ -26,7 +26,8 @@ from __future__ import annotations
 import importlib.util
 import math
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -141,9 +142,9 @@ class NumpyMLP(MLP):
         """Views (W, b) of every layer into the flat vector ``flat``."""
         out, offset = [], 0
         for fan_in, fan_out in zip(self.sizes[:-1], self.sizes[1:]):
-            w = flat[offset:offset + fan_out * fan_in].reshape(fan_out, fan_in)
+            w = flat[offset : offset + fan_out * fan_in].reshape(fan_out, fan_in)
             offset += fan_out * fan_in
-            out.append((w, flat[offset:offset + fan_out]))
+            out.append((w, flat[offset : offset + fan_out]))
             offset += fan_out
         return out
 
@@ -238,8 +239,9 @@ class TorchMLP(MLP):
             layers += [torch.nn.Linear(fan_in, fan_out)] + ([torch.nn.ReLU()] if i < len(self.sizes) - 2 else [])
         self.model = torch.nn.Sequential(*layers)
         with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(torch.from_numpy(init_params(self.sizes, seed)),
-                                                self.model.parameters())
+            torch.nn.utils.vector_to_parameters(
+                torch.from_numpy(init_params(self.sizes, seed)), self.model.parameters()
+            )
         self.model.to(self.device)
         self._shapes = [(name, p.shape, p.numel()) for name, p in self.model.named_parameters()]
 
@@ -266,7 +268,7 @@ class TorchMLP(MLP):
 
         views, offset = {}, 0
         for name, shape, n in self._shapes:
-            views[name] = params[offset:offset + n].view(shape)
+            views[name] = params[offset : offset + n].view(shape)
             offset += n
         with torch.no_grad():
             logits = torch.func.functional_call(self.model, views, (x,))
@@ -304,7 +306,9 @@ class TorchMLP(MLP):
             return
         flat, offset = torch.from_numpy(state["momentum"]), 0
         for p in self.model.parameters():
-            self.optimizer.state[p]["momentum_buffer"] = flat[offset:offset + p.numel()].view_as(p).to(p.device).clone()
+            self.optimizer.state[p]["momentum_buffer"] = (
+                flat[offset : offset + p.numel()].view_as(p).to(p.device).clone()
+            )
             offset += p.numel()
 
     def synchronize(self) -> None:

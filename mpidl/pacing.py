@@ -18,19 +18,18 @@ each; more where rank 0's thread waits for a core: 13 steps of 4 workers
 together were seen with 4 ranks on 2 cores); the overshoot counts towards
 the next epoch (epoch e ends when the
 total reaches e x n x S). The thread polls for
-messages with short sleeps (:class:`collectives.p2p.Backoff`), leaving the
+messages with short sleeps (:class:`collectives.transport.p2p.Backoff`), leaving the
 cores to the workers.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Optional
 
 import numpy as np
 from mpi4py import MPI
 
-from collectives.p2p import Backoff, prompt_threads
+from collectives.transport.p2p import Backoff, prompt_threads
 
 _STEP, _CLOSE = 1, 2
 _TO_COUNTER, _EPOCH_OVER = 0x7301, 0x7302
@@ -51,8 +50,8 @@ class StepBudget:
         self._comm = comm.Dup()
         self._msg = np.array([_STEP, 0], np.int64)
         self._word = np.zeros(1, np.int64)
-        self._over: Optional[MPI.Request] = None
-        self._thread: Optional[threading.Thread] = None
+        self._over: MPI.Request | None = None
+        self._thread: threading.Thread | None = None
         if self._comm.Get_rank() == 0:
             self._thread = threading.Thread(target=self._count, name="mpidl-step-budget", daemon=True)
             prompt_threads()

@@ -5,21 +5,25 @@ from __future__ import annotations
 import sys
 import traceback
 from types import TracebackType
-from typing import Optional
 
 from mpi4py import MPI
 
-from collectives import watchdog
+from collectives.transport import watchdog
 
 #: Exit code of a job brought down by an uncaught exception on some rank.
 EXCEPTION_EXIT_CODE = 2
 
-_THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
-                  MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+_THREAD_LEVELS = {
+    MPI.THREAD_SINGLE: "single",
+    MPI.THREAD_FUNNELED: "funneled",
+    MPI.THREAD_SERIALIZED: "serialized",
+    MPI.THREAD_MULTIPLE: "multiple",
+}
 
 
-def init(abort_on_exception: bool = True, stall_warn: Optional[float] = None,
-         stall_abort: Optional[float] = None) -> MPI.Intracomm:
+def init(
+    abort_on_exception: bool = True, stall_warn: float | None = None, stall_abort: float | None = None
+) -> MPI.Intracomm:
     """Initialise MPI for mpidl (idempotent) and return ``MPI.COMM_WORLD``.
 
     Args:
@@ -28,7 +32,7 @@ def init(abort_on_exception: bool = True, stall_warn: Optional[float] = None,
             failing ends the whole job at once instead of leaving the others
             blocked in their next collective.
         stall_warn, stall_abort: limits of the stall inspector in seconds
-            (:mod:`collectives.watchdog`); ``MPIDL_STALL_WARN`` and
+            (:mod:`collectives.transport.watchdog`); ``MPIDL_STALL_WARN`` and
             ``MPIDL_STALL_ABORT`` in the environment take precedence.
 
     mpidl needs ``MPI_THREAD_MULTIPLE`` (asynchronous algorithms communicate
@@ -39,9 +43,12 @@ def init(abort_on_exception: bool = True, stall_warn: Optional[float] = None,
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     provided = MPI.Query_thread()
     if provided < MPI.THREAD_MULTIPLE:
-        print(f"mpidl: MPI provides thread level {_THREAD_LEVELS.get(provided, provided)}; "
-              "asynchronous algorithms need 'multiple' (set mpi4py.rc.thread_level = 'multiple' "
-              "before importing mpi4py.MPI)", file=sys.stderr)
+        print(
+            f"mpidl: MPI provides thread level {_THREAD_LEVELS.get(provided, provided)}; "
+            "asynchronous algorithms need 'multiple' (set mpi4py.rc.thread_level = 'multiple' "
+            "before importing mpi4py.MPI)",
+            file=sys.stderr,
+        )
     if abort_on_exception:
         sys.excepthook = _abort_job
     watchdog.configure(stall_warn, stall_abort)
@@ -53,7 +60,7 @@ def thread_level() -> str:
     return _THREAD_LEVELS[MPI.Query_thread()]
 
 
-def _abort_job(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
+def _abort_job(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     """Print the exception with this rank's number and abort every rank."""
     rank = MPI.COMM_WORLD.Get_rank()
     text = "".join(traceback.format_exception(kind, value, tb))

@@ -42,8 +42,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -63,6 +64,7 @@ class UsageError(ValueError):
 
 def _parser(kind: Callable[[str], T], accept: Callable[[T], bool], wanted: str) -> Callable[[str], T]:
     """An argparse type: ``kind(text)`` if ``accept`` takes it, else "expected <wanted>"."""
+
     def parse(text: str) -> T:
         try:
             value = kind(text)
@@ -71,6 +73,7 @@ def _parser(kind: Callable[[str], T], accept: Callable[[T], bool], wanted: str) 
         if value is None or not accept(value):
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
         return value
+
     parse.__name__ = wanted
     return parse
 
@@ -87,7 +90,7 @@ class AlgorithmOption:
     flag: str
     keyword: str
     help: str
-    choices: Optional[Sequence[str]] = None
+    choices: Sequence[str] | None = None
     type: Callable[[str], Any] = str
 
     @property
@@ -97,27 +100,46 @@ class AlgorithmOption:
 
     def applies_to(self) -> list[str]:
         """Names of the algorithms that take this option."""
-        return [name for name, cls in algorithms.ALGORITHMS.items()
-                if self.keyword in inspect.signature(cls).parameters]
+        return [
+            name for name, cls in algorithms.ALGORITHMS.items() if self.keyword in inspect.signature(cls).parameters
+        ]
 
 
 #: Algorithm options of the command line; each goes to the algorithms whose constructor takes its keyword.
 ALGORITHM_OPTIONS = (
     AlgorithmOption("--topology", "topology", "communication graph (default ring)", list(TOPOLOGIES)),
     AlgorithmOption("--weights", "weights", "mixing weights on the graph (default uniform)", list(WEIGHTS)),
-    AlgorithmOption("--collective", "algorithm", "the all-reduce algorithm (default auto: the cost model's choice)",
-                    list(collectives.ALGORITHMS)),
-    AlgorithmOption("--layout", "layout", "ranks per node, e.g. 2 or 3,1: LSGD's groups, and the nodes of the "
-                    "topology-aware all-reduce algorithms (default: detected, or MPIDL_RANKS_PER_NODE)"),
-    AlgorithmOption("--max-lead", "max_lead", "steps a worker may run ahead of the exchanges it completed with a "
-                    "ring neighbor; 0 is synchronous (default 2)", type=_nonnegative_int),
+    AlgorithmOption(
+        "--collective",
+        "algorithm",
+        "the all-reduce algorithm (default auto: the cost model's choice)",
+        list(collectives.ALGORITHMS),
+    ),
+    AlgorithmOption(
+        "--layout",
+        "layout",
+        "ranks per node, e.g. 2 or 3,1: LSGD's groups, and the nodes of the "
+        "topology-aware all-reduce algorithms (default: detected, or MPIDL_RANKS_PER_NODE)",
+    ),
+    AlgorithmOption(
+        "--max-lead",
+        "max_lead",
+        "steps a worker may run ahead of the exchanges it completed with a ring neighbor; 0 is synchronous (default 2)",
+        type=_nonnegative_int,
+    ),
     AlgorithmOption("--group-size", "group_size", "workers per P-Reduce group (default 2)", type=_positive_int),
-    AlgorithmOption("--policy", "policy", "how the group generator forms groups (default smart)",
-                    list(collectives.POLICIES)),
-    AlgorithmOption("--local-steps", "local_steps", "optimizer steps between averagings (default 1)",
-                    type=_positive_int),
-    AlgorithmOption("--period", "period", "static policy: averagings a partition of the workers is kept "
-                    "(default 1)", type=_positive_int),
+    AlgorithmOption(
+        "--policy", "policy", "how the group generator forms groups (default smart)", list(collectives.POLICIES)
+    ),
+    AlgorithmOption(
+        "--local-steps", "local_steps", "optimizer steps between averagings (default 1)", type=_positive_int
+    ),
+    AlgorithmOption(
+        "--period",
+        "period",
+        "static policy: averagings a partition of the workers is kept (default 1)",
+        type=_positive_int,
+    ),
 )
 
 _FLAG_OF = {opt.keyword: opt.dest for opt in ALGORITHM_OPTIONS}
@@ -133,7 +155,7 @@ class TrainConfig:
     algorithm: str = "dpsgd"
     options: dict[str, Any] = field(default_factory=dict)
     dataset: str = "digits"
-    data_dir: Optional[str] = None
+    data_dir: str | None = None
     hidden: tuple[int, ...] = (64,)
     epochs: int = 20
     batch_size: int = 32
@@ -142,10 +164,10 @@ class TrainConfig:
     seed: int = 0
     backend: str = "auto"
     device: str = "cpu"
-    threads: Optional[int] = None
+    threads: int | None = None
     slow: dict[int, float] = field(default_factory=dict)
     progress: bool = True
-    checkpoint: Optional[str] = None
+    checkpoint: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
 
@@ -181,45 +203,97 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``mpidl train`` options."""
     defaults = TrainConfig()
     g = p.add_argument_group("algorithm")
-    g.add_argument("--algorithm", default=defaults.algorithm, choices=list(algorithms.ALGORITHMS),
-                   help=f"training algorithm (default {defaults.algorithm})")
+    g.add_argument(
+        "--algorithm",
+        default=defaults.algorithm,
+        choices=list(algorithms.ALGORITHMS),
+        help=f"training algorithm (default {defaults.algorithm})",
+    )
     for opt in ALGORITHM_OPTIONS:
-        g.add_argument(opt.flag, default=None, choices=opt.choices, type=opt.type,
-                       help=f"{opt.help}; for {', '.join(opt.applies_to())}")
+        g.add_argument(
+            opt.flag,
+            default=None,
+            choices=opt.choices,
+            type=opt.type,
+            help=f"{opt.help}; for {', '.join(opt.applies_to())}",
+        )
     g = p.add_argument_group("data and model")
-    g.add_argument("--dataset", default=defaults.dataset, choices=list(data.DATASETS),
-                   help="digits: scikit-learn's bundled digits; fashion-mnist: IDX files from --data-dir "
-                        f"(default {data.FASHION_MNIST_DIR})")
+    g.add_argument(
+        "--dataset",
+        default=defaults.dataset,
+        choices=list(data.DATASETS),
+        help="digits: scikit-learn's bundled digits; fashion-mnist: IDX files from --data-dir "
+        f"(default {data.FASHION_MNIST_DIR})",
+    )
     g.add_argument("--data-dir", metavar="DIR", help="folder of the dataset's files")
-    g.add_argument("--hidden", type=_sizes, default=defaults.hidden, metavar="N[,N...]",
-                   help="hidden layer sizes, '' for none (default 64)")
-    g.add_argument("--backend", default=defaults.backend, choices=models.BACKENDS,
-                   help="model backend (default auto: torch if installed, else numpy)")
-    g.add_argument("--device", default=defaults.device, choices=["cpu", "cuda"],
-                   help="where the torch model and its buffers live (cuda: GPU local rank mod GPU count)")
+    g.add_argument(
+        "--hidden",
+        type=_sizes,
+        default=defaults.hidden,
+        metavar="N[,N...]",
+        help="hidden layer sizes, '' for none (default 64)",
+    )
+    g.add_argument(
+        "--backend",
+        default=defaults.backend,
+        choices=models.BACKENDS,
+        help="model backend (default auto: torch if installed, else numpy)",
+    )
+    g.add_argument(
+        "--device",
+        default=defaults.device,
+        choices=["cpu", "cuda"],
+        help="where the torch model and its buffers live (cuda: GPU local rank mod GPU count)",
+    )
     g.add_argument("--threads", type=_positive_int, help="threads per worker (default: cores / ranks on the node)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=_positive_int, default=defaults.epochs, help=f"(default {defaults.epochs})")
-    g.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size,
-                   help=f"per worker (default {defaults.batch_size})")
+    g.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=defaults.batch_size,
+        help=f"per worker (default {defaults.batch_size})",
+    )
     g.add_argument("--lr", type=_nonnegative_float, default=defaults.lr, help=f"learning rate (default {defaults.lr})")
-    g.add_argument("--momentum", type=_nonnegative_float, default=defaults.momentum,
-                   help=f"(default {defaults.momentum})")
-    g.add_argument("--seed", type=int, default=defaults.seed,
-                   help="seed of the initial model, the shards and every epoch's order (default 0)")
-    g.add_argument("--slow", type=parse_slow, action="append", default=[], metavar="RANK:FACTOR",
-                   help="make RANK's computation FACTOR times as long by sleeping (repeatable)")
+    g.add_argument(
+        "--momentum", type=_nonnegative_float, default=defaults.momentum, help=f"(default {defaults.momentum})"
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="seed of the initial model, the shards and every epoch's order (default 0)",
+    )
+    g.add_argument(
+        "--slow",
+        type=parse_slow,
+        action="append",
+        default=[],
+        metavar="RANK:FACTOR",
+        help="make RANK's computation FACTOR times as long by sleeping (repeatable)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="write the run's description and per-epoch metrics as JSON")
     g.add_argument("--plot", metavar="FILE.png", help="plot test accuracy against time and epoch (needs matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     g = p.add_argument_group("checkpoints")
-    g.add_argument("--checkpoint", metavar="DIR", help="write checkpoints into DIR: after the last step, and every "
-                   "--checkpoint-every steps")
-    g.add_argument("--checkpoint-every", type=_positive_int, default=0, metavar="K",
-                   help="also write a checkpoint after every K-th step")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --checkpoint DIR (same options; --epochs may grow)")
+    g.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="write checkpoints into DIR: after the last step, and every --checkpoint-every steps",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=0,
+        metavar="K",
+        help="also write a checkpoint after every K-th step",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint DIR (same options; --epochs may grow)",
+    )
 
 
 def algorithm_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -235,8 +309,9 @@ def algorithm_options(args: argparse.Namespace) -> dict[str, Any]:
             continue
         takers = opt.applies_to()
         if args.algorithm not in takers:
-            raise UsageError(f"{opt.flag} does not apply to --algorithm {args.algorithm} "
-                             f"(it applies to {', '.join(takers)})")
+            raise UsageError(
+                f"{opt.flag} does not apply to --algorithm {args.algorithm} (it applies to {', '.join(takers)})"
+            )
         options[opt.keyword] = value
     return options
 
@@ -248,11 +323,26 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if rank in slow:
             raise UsageError(f"--slow given twice for rank {rank}")
         slow[rank] = factor
-    return TrainConfig(algorithm=args.algorithm, options=algorithm_options(args), dataset=args.dataset,
-                       data_dir=args.data_dir, hidden=args.hidden, epochs=args.epochs, batch_size=args.batch_size,
-                       lr=args.lr, momentum=args.momentum, seed=args.seed, backend=args.backend, device=args.device,
-                       threads=args.threads, slow=slow, progress=not args.no_progress, checkpoint=args.checkpoint,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume)
+    return TrainConfig(
+        algorithm=args.algorithm,
+        options=algorithm_options(args),
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        hidden=args.hidden,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        seed=args.seed,
+        backend=args.backend,
+        device=args.device,
+        threads=args.threads,
+        slow=slow,
+        progress=not args.no_progress,
+        checkpoint=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+    )
 
 
 def _agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
@@ -265,8 +355,11 @@ def _agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
     failed = [(rank, p) for rank, p in enumerate(comm.allgather(problem)) if p]
     if failed:
         rank, problem = failed[0]
-        raise UsageError(problem if len({p for _, p in failed}) == 1 and len(failed) == comm.Get_size()
-                         else f"rank {rank}: {problem}")
+        raise UsageError(
+            problem
+            if len({p for _, p in failed}) == 1 and len(failed) == comm.Get_size()
+            else f"rank {rank}: {problem}"
+        )
     return value
 
 
@@ -304,7 +397,7 @@ def _progress(total: int, show: bool, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False, disable=not show)
 
 
-def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
+def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
     """Run the training of ``config`` (collective over ``comm``, default ``MPI.COMM_WORLD``).
 
     Rank 0 prints a header, one line per epoch and a summary on stdout.
@@ -321,9 +414,11 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
     if config.resume and not config.checkpoint:
         raise UsageError("--resume needs --checkpoint DIR, the folder to resume from")
     if config.checkpoint and config.algorithm not in CHECKPOINTABLE:
-        raise UsageError(f"checkpoints hold parameters and optimizer state, the whole state of "
-                         f"{' and '.join(CHECKPOINTABLE)}; {config.algorithm} keeps communication in flight "
-                         "or state of its own between steps, which they cannot hold yet")
+        raise UsageError(
+            f"checkpoints hold parameters and optimizer state, the whole state of "
+            f"{' and '.join(CHECKPOINTABLE)}; {config.algorithm} keeps communication in flight "
+            "or state of its own between steps, which they cannot hold yet"
+        )
     dataset = data.load(config.dataset, config.data_dir, comm)
     sizes = (dataset.features, *config.hidden, dataset.classes)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -351,11 +446,14 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> TrainResult:
             budget.close()
     if comm.Get_rank() == 0 and run.records:
         last = run.records[-1]
-        print(f"final: test accuracy {100 * last['test_acc']:.2f}% (averaged model), "
-              f"{100 * last['test_acc_worst']:.2f}% (worst worker); "
-              f"{last['bytes_per_step_mean']:.0f} B sent per worker per step = "
-              f"{last['bytes_per_step_mean'] / run.meta['model_bytes']:.2f} x model; "
-              f"{last['time_s']:.2f} s training", flush=True)
+        print(
+            f"final: test accuracy {100 * last['test_acc']:.2f}% (averaged model), "
+            f"{100 * last['test_acc_worst']:.2f}% (worst worker); "
+            f"{last['bytes_per_step_mean']:.0f} B sent per worker per step = "
+            f"{last['bytes_per_step_mean'] / run.meta['model_bytes']:.2f} x model; "
+            f"{last['time_s']:.2f} s training",
+            flush=True,
+        )
     return TrainResult(run.meta, run.records, params)
 
 
@@ -377,8 +475,16 @@ class _Run:
         records: the finished epochs' metrics.
     """
 
-    def __init__(self, config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo: algorithms.Algorithm,
-                 steps: int, threads: int, budget: Optional[pacing.StepBudget]) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        dataset: data.Dataset,
+        net: models.MLP,
+        algo: algorithms.Algorithm,
+        steps: int,
+        threads: int,
+        budget: pacing.StepBudget | None,
+    ) -> None:
         self.config, self.net, self.algo, self.steps, self.budget = config, net, algo, steps, budget
         self.meta = _describe(config, dataset, net, algo, steps, threads)
         self.indices = data.shard(len(dataset.y_train), algo.rank, algo.size, config.seed)
@@ -389,8 +495,18 @@ class _Run:
 
     def signature(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint's (all but the epochs and the outputs)."""
-        keys = ("algorithm", "options", "workers", "dataset", "layers", "backend", "batch_size", "lr", "momentum",
-                "seed")
+        keys = (
+            "algorithm",
+            "options",
+            "workers",
+            "dataset",
+            "layers",
+            "backend",
+            "batch_size",
+            "lr",
+            "momentum",
+            "seed",
+        )
         return {k: self.meta[k] for k in keys}
 
     def epochs(self) -> None:
@@ -418,9 +534,20 @@ class _Run:
         epoch_s = self.epoch_s + time.perf_counter() - t0
         self.time_s += epoch_s
         self.epoch_s, self.loss_sum = 0.0, 0.0
-        self.records.append(metrics.measure(epoch, algo, net, self.x_test, self.y_test, algo.comm,
-                                            loss_sum=float(loss_sum), steps=taken, time_s=self.time_s,
-                                            epoch_s=epoch_s))
+        self.records.append(
+            metrics.measure(
+                epoch,
+                algo,
+                net,
+                self.x_test,
+                self.y_test,
+                algo.comm,
+                loss_sum=float(loss_sum),
+                steps=taken,
+                time_s=self.time_s,
+                epoch_s=epoch_s,
+            )
+        )
         if algo.rank == 0:
             bar.write(metrics.line(self.records[-1], cfg.epochs, self.meta["model_bytes"]), file=sys.stdout)
             sys.stdout.flush()
@@ -436,7 +563,7 @@ class _Run:
         loss_sum: Any = self.loss_sum
         first = self.step - (epoch - 1) * self.steps
         for k in range(first, self.steps):
-            loss_sum = loss_sum + self._train_step(order[(ends[k - 1] if k else 0):ends[k]])
+            loss_sum = loss_sum + self._train_step(order[(ends[k - 1] if k else 0) : ends[k]])
             bar.update()
             if k < self.steps - 1 and self._due():
                 self.net.synchronize()
@@ -480,9 +607,16 @@ class _Run:
         """Write the checkpoint after :attr:`step` (collective)."""
         if not self.config.checkpoint:
             return
-        info = {"run": self.signature(), "step": self.step, "time_s": self.time_s, "epoch_s": self.epoch_s,
-                "loss_sum": self.loss_sum, "records": self.records,
-                "bytes_sent": self.algo.bytes_sent, "comm_wait_s": self.algo.comm_wait_s}
+        info = {
+            "run": self.signature(),
+            "step": self.step,
+            "time_s": self.time_s,
+            "epoch_s": self.epoch_s,
+            "loss_sum": self.loss_sum,
+            "records": self.records,
+            "bytes_sent": self.algo.bytes_sent,
+            "comm_wait_s": self.algo.comm_wait_s,
+        }
         arrays = {"params": self.net.to_numpy(self.algo.params), **self.net.optimizer_state()}
         checkpoint.save(self.config.checkpoint, self.step, self.algo.comm, arrays, info)
 
@@ -491,30 +625,50 @@ class _Run:
         arrays, info = checkpoint.load(self.config.checkpoint, self.algo.rank)
         differ = {k: (v, self.signature()[k]) for k, v in info["run"].items() if self.signature().get(k) != v}
         if differ:
-            raise UsageError("the checkpoint is of another run: " + "; ".join(
-                f"{k} was {old!r}, now {new!r}" for k, (old, new) in differ.items()))
+            raise UsageError(
+                "the checkpoint is of another run: "
+                + "; ".join(f"{k} was {old!r}, now {new!r}" for k, (old, new) in differ.items())
+            )
         self.net.load(self.algo.params, arrays.pop("params"))
         self.net.load_optimizer_state(arrays)
         self.step, self.time_s, self.epoch_s = info["step"], info["time_s"], info["epoch_s"]
         self.loss_sum, self.records = info["loss_sum"], info["records"]
         self.algo.iterations, self.algo.bytes_sent, self.algo.comm_wait_s = (
-            info["step"], info["bytes_sent"], info["comm_wait_s"])
+            info["step"],
+            info["bytes_sent"],
+            info["comm_wait_s"],
+        )
 
 
-def _describe(config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo: algorithms.Algorithm,
-              steps: int, threads: int) -> dict[str, Any]:
+def _describe(
+    config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo: algorithms.Algorithm, steps: int, threads: int
+) -> dict[str, Any]:
     """The ``meta`` part of the JSON: the run's configuration and what it resolved to."""
     meta = {
-        "command": "mpidl train", "version": __version__,
-        "algorithm": config.algorithm, "options": {_FLAG_OF.get(k, k): str(v) for k, v in config.options.items()},
-        "workers": algo.size, "dataset": dataset.name, "train_samples": len(dataset.y_train),
-        "test_samples": len(dataset.y_test), "features": dataset.features, "classes": dataset.classes,
-        "model": models.describe(net.sizes), "layers": list(net.sizes), "parameters": net.parameters,
-        "model_bytes": algo.flat.nbytes, "backend": net.backend,
-        "device": str(net.device), "threads": threads,
+        "command": "mpidl train",
+        "version": __version__,
+        "algorithm": config.algorithm,
+        "options": {_FLAG_OF.get(k, k): str(v) for k, v in config.options.items()},
+        "workers": algo.size,
+        "dataset": dataset.name,
+        "train_samples": len(dataset.y_train),
+        "test_samples": len(dataset.y_test),
+        "features": dataset.features,
+        "classes": dataset.classes,
+        "model": models.describe(net.sizes),
+        "layers": list(net.sizes),
+        "parameters": net.parameters,
+        "model_bytes": algo.flat.nbytes,
+        "backend": net.backend,
+        "device": str(net.device),
+        "threads": threads,
         "uneven_steps": algo.uneven_steps,
-        "epochs": config.epochs, "steps_per_epoch": steps, "batch_size": config.batch_size,
-        "lr": config.lr, "momentum": config.momentum, "seed": config.seed,
+        "epochs": config.epochs,
+        "steps_per_epoch": steps,
+        "batch_size": config.batch_size,
+        "lr": config.lr,
+        "momentum": config.momentum,
+        "seed": config.seed,
         "slow": {str(r): f for r, f in sorted(config.slow.items())},
         "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
     }
@@ -532,14 +686,19 @@ def _header(meta: dict[str, Any]) -> str:
     if "topology" in meta:
         what += f", {meta['topology']['name']} spectral gap {meta['topology']['spectral_gap']:.3f}"
     slow = "".join(f", rank {r} slowed x{f:g}" for r, f in meta["slow"].items())
-    return (f"# mpidl train: {what} on {meta['dataset']} ({meta['train_samples']} train / "
-            f"{meta['test_samples']} test samples), {meta['workers']} workers{slow}\n"
-            f"# {meta['model']} ({meta['parameters']} parameters, {meta['model_bytes']} B), {meta['backend']} on "
-            f"{meta['device']}, {meta['threads']} thread(s) per worker; {meta['epochs']} epochs x "
-            + (f"{meta['workers'] * meta['steps_per_epoch']} steps of all workers together"
-               if meta["uneven_steps"] else f"{meta['steps_per_epoch']} steps")
-            + f", batch <= {meta['batch_size']} per worker, lr {meta['lr']}, "
-            f"momentum {meta['momentum']}, seed {meta['seed']}")
+    return (
+        f"# mpidl train: {what} on {meta['dataset']} ({meta['train_samples']} train / "
+        f"{meta['test_samples']} test samples), {meta['workers']} workers{slow}\n"
+        f"# {meta['model']} ({meta['parameters']} parameters, {meta['model_bytes']} B), {meta['backend']} on "
+        f"{meta['device']}, {meta['threads']} thread(s) per worker; {meta['epochs']} epochs x "
+        + (
+            f"{meta['workers'] * meta['steps_per_epoch']} steps of all workers together"
+            if meta["uneven_steps"]
+            else f"{meta['steps_per_epoch']} steps"
+        )
+        + f", batch <= {meta['batch_size']} per worker, lr {meta['lr']}, "
+        f"momentum {meta['momentum']}, seed {meta['seed']}"
+    )
 
 
 def write_json(result: TrainResult, path: str) -> None:
@@ -570,5 +729,18 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ALGORITHM_OPTIONS", "CHECKPOINTABLE", "AlgorithmOption", "TrainConfig", "TrainResult", "UsageError",
-           "add_arguments", "algorithm_options", "config_from_args", "main", "parse_slow", "train", "write_json"]
+__all__ = [
+    "ALGORITHM_OPTIONS",
+    "CHECKPOINTABLE",
+    "AlgorithmOption",
+    "TrainConfig",
+    "TrainResult",
+    "UsageError",
+    "add_arguments",
+    "algorithm_options",
+    "config_from_args",
+    "main",
+    "parse_slow",
+    "train",
+    "write_json",
+]

@@ -27,7 +27,8 @@ import torch
 from mpi4py import MPI
 
 import algorithms
-from collectives import NeighborWeights, gpu, neighbor_allreduce
+from collectives import NeighborWeights, neighbor_allreduce
+from collectives.transport import gpu
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
 
@@ -79,8 +80,11 @@ def train(name: str, options: dict, device: str, comm: MPI.Comm) -> tuple[np.nda
 
 def check_algorithms(comm: MPI.Comm) -> list[str]:
     failures = []
-    for name, options in (("allreduce", {"algorithm": "ring"}), ("dpsgd", {"topology": "ring"}),
-                          ("lsgd", {"layout": 2, "algorithm": "ring"})):
+    for name, options in (
+        ("allreduce", {"algorithm": "ring"}),
+        ("dpsgd", {"topology": "ring"}),
+        ("lsgd", {"layout": 2, "algorithm": "ring"}),
+    ):
         x_cpu, bytes_cpu = train(name, options, "cpu", comm)
         x_gpu, bytes_gpu = train(name, options, "cuda", comm)
         if not np.allclose(x_cpu, x_gpu, rtol=0, atol=1e-12):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -81,9 +81,15 @@ def available_dtypes() -> list[str]:
     return list(collectives.DTYPES)
 
 
-def check(comm: MPI.Comm, algorithms: Iterable[str], dtypes: Iterable[str],
-          ops: Iterable[str] = collectives.OPS, lengths: Sequence[int] | None = None,
-          device: str = "cpu", **options) -> list[str]:
+def check(
+    comm: MPI.Comm,
+    algorithms: Iterable[str],
+    dtypes: Iterable[str],
+    ops: Iterable[str] = collectives.OPS,
+    lengths: Sequence[int] | None = None,
+    device: str = "cpu",
+    **options,
+) -> list[str]:
     """Run the matrix on ``comm``; return this rank's failure messages (collective).
 
     ``device`` "cuda" uses CuPy arrays and CUDA tensors; ``options``
@@ -101,8 +107,9 @@ def check(comm: MPI.Comm, algorithms: Iterable[str], dtypes: Iterable[str],
     return failures
 
 
-def _one(comm: MPI.Comm, algorithm: str, dtype: str, op: str, length: int, n: int, rank: int,
-         device: str, options: dict) -> list[str]:
+def _one(
+    comm: MPI.Comm, algorithm: str, dtype: str, op: str, length: int, n: int, rank: int, device: str, options: dict
+) -> list[str]:
     case = f"{algorithm} {op} {dtype} {device} n={n} len={length} {options or ''}"
     mine = rank_input(rank, length, op)
     buf = make_buffer(mine, dtype, device)
@@ -134,10 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shm-piece", type=int, help="shm: pieces of this many bytes, always sliced")
     args = parser.parse_args(argv)
     if args.shm_piece:
-        collectives.shm.SEGMENT, collectives.shm.REPLICATE = args.shm_piece, 0
+        collectives.kernels.shm.SEGMENT, collectives.kernels.shm.REPLICATE = args.shm_piece, 0
     comm = MPI.COMM_WORLD
-    options = {k: v for k, v in (("layout", args.layout),
-                                 ("grid", tuple(map(int, args.grid.split(","))) if args.grid else None)) if v}
+    options = {
+        k: v
+        for k, v in (("layout", args.layout), ("grid", tuple(map(int, args.grid.split(","))) if args.grid else None))
+        if v
+    }
     failures = check(comm, args.algorithms.split(","), available_dtypes(), device=args.device, **options)
     everyone = [f"rank {r}: {f}" for r, fs in enumerate(comm.gather(failures) or []) for f in fs]
     if comm.Get_rank() == 0:

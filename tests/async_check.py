@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+from mpitest import random_start, spread
 
 import algorithms
-from mpitest import random_start, spread
 
 #: Relative tolerance of the sum: float64 rounding over a few thousand averagings.
 SUM_RTOL = 1e-10
@@ -41,8 +41,9 @@ CONFIGS = (
 )
 
 
-def check(comm: MPI.Comm, name: str, options: dict, steps: int = 400, seed: int = 0, max_delay: float = 1e-3,
-          length: int = 5) -> tuple[list[str], int]:
+def check(
+    comm: MPI.Comm, name: str, options: dict, steps: int = 400, seed: int = 0, max_delay: float = 1e-3, length: int = 5
+) -> tuple[list[str], int]:
     """Run one configuration on ``comm`` (collective); return this rank's failure messages
     and the number of exchanges (averagings it took part in) it counted."""
     n = comm.Get_size()
@@ -66,8 +67,9 @@ def check(comm: MPI.Comm, name: str, options: dict, steps: int = 400, seed: int 
             algo.close()
         drift = np.abs(comm.allreduce(x.copy()) - before).max()
         if drift > SUM_RTOL * scale:
-            failures.append(f"{what}: after {'settle' if phase == 0 else 'close'} the sum over workers "
-                            f"moved by {drift:.3g}")
+            failures.append(
+                f"{what}: after {'settle' if phase == 0 else 'close'} the sum over workers moved by {drift:.3g}"
+            )
     spread_after = spread(comm, x)
     if n > 1 and spread_after > 1e-6 * spread_before:
         failures.append(f"{what}: no consensus after {steps} steps: spread {spread_before:.3g} -> {spread_after:.3g}")

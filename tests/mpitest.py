@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -64,8 +64,9 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def mpiexec(n: int, args: Sequence[str], timeout: float = 300, hosts: str | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def mpiexec(
+    n: int, args: Sequence[str], timeout: float = 300, hosts: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``python args...`` on ``n`` ranks under a fresh mpiexec and return the result.
 
     ``hosts`` (e.g. "a:2,b:2") makes MPICH's launcher emulate several nodes on

@@ -22,9 +22,9 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+from mpitest import random_start, spread
 
 import collectives
-from mpitest import random_start, spread
 
 #: Relative tolerance of the sum: float64 reassociation over a few hundred averages.
 SUM_RTOL = 1e-10
@@ -36,8 +36,15 @@ def configs(n: int) -> list[tuple[str, int]]:
     return list(dict.fromkeys((policy, min(k, n)) for policy, k in wanted))
 
 
-def check(comm: MPI.Comm, policy: str, group_size: int, rounds: int = 100, seed: int = 0,
-          max_delay: float = 1e-3, length: int = 5) -> list[str]:
+def check(
+    comm: MPI.Comm,
+    policy: str,
+    group_size: int,
+    rounds: int = 100,
+    seed: int = 0,
+    max_delay: float = 1e-3,
+    length: int = 5,
+) -> list[str]:
     """Run the experiment on ``comm``; return this rank's failure messages (collective)."""
     n, r = comm.Get_size(), comm.Get_rank()
     rng, speed, x = random_start(comm, seed, length)

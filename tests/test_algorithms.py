@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpitest import all_ok, comm_of_size
 
 import algorithms
 from algorithms import SGD, topology
 from collectives import ArgumentError
-from mpitest import all_ok, comm_of_size
 
 pytestmark = pytest.mark.mpi
 
@@ -113,8 +113,9 @@ def test_numpy_and_torch_paths_agree(config: str) -> None:
     model = torch.nn.Module()
     model.x = torch.nn.Parameter(torch.tensor(x))
     np_algo = algorithms.create(name, x, SGD(x, lr=0.1, momentum=0.9), comm, broadcast_init=False, **options)
-    torch_algo = algorithms.create(name, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
-                                   broadcast_init=False, **options)
+    torch_algo = algorithms.create(
+        name, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm, broadcast_init=False, **options
+    )
     target = torch.tensor(a)
     for _ in range(20):
         np_algo.step(x - a)
@@ -157,8 +158,9 @@ def consensus_distance(comm: MPI.Comm, x: np.ndarray) -> tuple[float, np.ndarray
 
 GRAPHS = {
     "ring": lambda n: topology.ring(n),
-    "path-metropolis": lambda n: topology.from_edges(n, [(i, i + 1) for i in range(n - 1)]) if n > 1
-    else topology.ring(1),
+    "path-metropolis": lambda n: (
+        topology.from_edges(n, [(i, i + 1) for i in range(n - 1)]) if n > 1 else topology.ring(1)
+    ),
 }
 
 
@@ -190,8 +192,7 @@ def test_dpsgd_zero_lr_consensus_at_the_spectral_rate(graph: str, size: int) -> 
     direction = np.random.default_rng(7).standard_normal(DIM)
     failures = []
     for start in ("random", "eigenvector"):
-        x = (np.random.default_rng(r).standard_normal(DIM) if start == "random"
-             else 1.0 + slow[r] * direction)
+        x = np.random.default_rng(r).standard_normal(DIM) if start == "random" else 1.0 + slow[r] * direction
         algo = algorithms.DPSGD(x, SGD(x, lr=0.0), comm, topology=topo, broadcast_init=False)
         dist, mean = consensus_distance(comm, x)
         mean0, ratios = mean, []
@@ -240,10 +241,13 @@ def test_bytes_sent_allreduce_and_dpsgd(size: int) -> None:
         ring_sgd.step(np.ones(DIM))
         dpsgd.step(np.ones(DIM))
     degree = dpsgd.topology.degree(comm.Get_rank())
-    ok = (ring_sgd.bytes_sent == steps * 2 * (n - 1) * model_bytes // n
-          and dpsgd.bytes_sent == steps * degree * model_bytes
-          and degree == min(n - 1, 2)
-          and ring_sgd.comm_wait_s > 0 and dpsgd.iterations == steps)
+    ok = (
+        ring_sgd.bytes_sent == steps * 2 * (n - 1) * model_bytes // n
+        and dpsgd.bytes_sent == steps * degree * model_bytes
+        and degree == min(n - 1, 2)
+        and ring_sgd.comm_wait_s > 0
+        and dpsgd.iterations == steps
+    )
     assert all_ok(MPI.COMM_WORLD, ok), (n, ring_sgd.bytes_sent, dpsgd.bytes_sent, degree)
 
 
@@ -292,7 +296,7 @@ def test_lsgd_applies_the_global_gradient_one_step_late() -> None:
             algo.step(x - a)
             history.append(x.copy())
     expected = [np.zeros(DIM), np.zeros(DIM)]  # the first step fills the pipeline
-    for t in range(1, 6):
+    for _t in range(1, 6):
         expected.append(expected[-1] - lr * (expected[-2] - optimum))
     staleness_ok = n == 1 or (algo.groups > 1 and np.allclose(history, expected, rtol=0, atol=1e-12))
 
@@ -317,13 +321,18 @@ def test_lsgd_groups_from_the_node_layout(monkeypatch: pytest.MonkeyPatch) -> No
     emulated.close()
     with pytest.raises(RuntimeError, match="closed"):
         emulated.step(np.ones(DIM))
-    ok = (detected.groups == 1 and detected.group_size == comm.Get_size() and not detected.representative
-          and emulated.groups == comm.Get_size() and emulated.representative == (comm.Get_size() > 1))
+    ok = (
+        detected.groups == 1
+        and detected.group_size == comm.Get_size()
+        and not detected.representative
+        and emulated.groups == comm.Get_size()
+        and emulated.representative == (comm.Get_size() > 1)
+    )
     assert all_ok(comm, ok)
 
 
 def test_default_allreduce_algorithm_is_the_collectives_default() -> None:
-    """"auto" is resolved (the cost model calibrated) at construction, not in a step."""
+    """ "auto" is resolved (the cost model calibrated) at construction, not in a step."""
     import collectives
 
     comm = MPI.COMM_WORLD
@@ -347,18 +356,23 @@ def test_mismatched_configuration_raises_on_every_rank() -> None:
     with pytest.raises(ArgumentError) as info:
         algorithms.create("dpsgd" if last else "allreduce", x, SGD(x, lr=0.1), comm)
     text = str(info.value)
-    assert all_ok(comm, len(set(comm.allgather(text))) == 1 and "algorithm differs" in text
-                  and "dpsgd" in text and "allreduce" in text), text
+    assert all_ok(
+        comm,
+        len(set(comm.allgather(text))) == 1 and "algorithm differs" in text and "dpsgd" in text and "allreduce" in text,
+    ), text
     y = np.zeros(DIM + last)
     with pytest.raises(ArgumentError, match="length differs"):
         algorithms.AllReduceSGD(y, SGD(y, lr=0.1), comm)
 
 
-@pytest.mark.parametrize("options,match", [
-    ({"topology": "moebius"}, "unknown topology"),
-    ({"topology": topology.ring(9)}, "has 9 ranks"),
-    ({"topology": "hypercube"}, "power-of-two"),
-])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"topology": "moebius"}, "unknown topology"),
+        ({"topology": topology.ring(9)}, "has 9 ranks"),
+        ({"topology": "hypercube"}, "power-of-two"),
+    ],
+)
 def test_bad_topology_raises_on_every_rank(options: dict, match: str) -> None:
     comm = MPI.COMM_WORLD
     if options["topology"] == "hypercube" and comm.Get_size() & (comm.Get_size() - 1) == 0:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from allreduce_matrix import available_dtypes, check
 from mpi4py import MPI
+from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
 
 import collectives
-from allreduce_matrix import available_dtypes, check
-from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
 
 pytestmark = pytest.mark.mpi
 
@@ -24,12 +24,20 @@ def test_matrix_small_communicators(algorithm: str, size: int) -> None:
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_segment_boundaries(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Large blocks are received and combined in segments: make segments tiny and odd-sized."""
-    from collectives import exchange
+    from collectives.transport import exchange
 
     monkeypatch.setattr(exchange, "SEGMENT", 24)
     comm = comm_of_size(size)
-    failures = gather_failures(comm, check(comm, ["ring", "halving_doubling", "butterfly", "torus2d"],
-                                           ["float16", "float64", "int32"], ["sum", "max"], [0, 1, 5, 17, 100]))
+    failures = gather_failures(
+        comm,
+        check(
+            comm,
+            ["ring", "halving_doubling", "butterfly", "torus2d"],
+            ["float16", "float64", "int32"],
+            ["sum", "max"],
+            [0, 1, 5, 17, 100],
+        ),
+    )
     assert all_ok(MPI.COMM_WORLD, not failures), "\n".join(failures[:20])
 
 
@@ -55,7 +63,7 @@ def test_bfloat16_rounds_once_per_combine() -> None:
     """bfloat16 sums are computed in float32 and rounded to nearest even per step."""
     torch = pytest.importorskip("torch")
     comm = comm_of_size(2)  # a lone last rank gets a communicator of one
-    inputs = [[1.0, 256.0, 3.0], [2.0 ** -8, 1.0, 2.0 ** -7]][: comm.Get_size()]
+    inputs = [[1.0, 256.0, 3.0], [2.0**-8, 1.0, 2.0**-7]][: comm.Get_size()]
     parts = [torch.tensor(v, dtype=torch.bfloat16) for v in inputs]
     expected = sum(p.float() for p in parts).to(torch.bfloat16)  # 1+2^-8 ties to 1, 3+2^-7 to 3
     x = parts[comm.Get_rank()].clone()
@@ -78,7 +86,7 @@ def test_signed_zero_and_nan_agree_bitwise(algorithm: str, size: int) -> None:
 
 def test_scratch_reused_across_calls() -> None:
     """The hot loop keeps one receive buffer per dtype, reused by later calls."""
-    from collectives.scratch import scratch
+    from collectives.transport.scratch import scratch
 
     comm = MPI.COMM_WORLD
     collectives.allreduce(np.ones(1000, np.float32), comm, algorithm="butterfly")

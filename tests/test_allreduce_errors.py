@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpitest import all_ok, mpiexec, on_rank0_quietly
 
 import collectives
 from collectives import ArgumentError
-from mpitest import all_ok, mpiexec, on_rank0_quietly
 
 pytestmark = pytest.mark.mpi
 
@@ -58,8 +58,12 @@ def test_algorithm_mismatch() -> None:
     if comm.Get_size() < 2:
         pytest.skip("needs two ranks")
     x = np.ones(10)
-    expect_same_error(lambda: collectives.allreduce(x, algorithm=one_rank_differs("butterfly", "ring")),
-                      "algorithm differs", "butterfly", "ring")
+    expect_same_error(
+        lambda: collectives.allreduce(x, algorithm=one_rank_differs("butterfly", "ring")),
+        "algorithm differs",
+        "butterfly",
+        "ring",
+    )
     assert np.all(x == 1)
 
 
@@ -75,18 +79,25 @@ def test_op_mismatch() -> None:
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 2:
         pytest.skip("needs two ranks")
-    expect_same_error(lambda: collectives.allreduce(np.ones(4), op=one_rank_differs("sum", "max")),
-                      "op differs", "rank 0: sum", "max)")
+    expect_same_error(
+        lambda: collectives.allreduce(np.ones(4), op=one_rank_differs("sum", "max")),
+        "op differs",
+        "rank 0: sum",
+        "max)",
+    )
 
 
-@pytest.mark.parametrize("case, bad, match", [
-    ("non-contiguous", lambda: np.arange(8.0)[::2], "not C-contiguous"),
-    ("read-only", lambda: np.frombuffer(bytes(32), dtype=np.float64), "read-only"),
-    ("unsupported dtype", lambda: np.zeros(4, dtype=np.uint8), "unsupported dtype uint8"),
-    ("complex", lambda: np.zeros(4, dtype=np.complex64), "supported: float16, bfloat16"),
-    ("byte order", lambda: np.zeros(4, dtype=">f8"), "byte order"),
-    ("type", lambda: [1.0, 2.0, 3.0, 4.0], "unsupported buffer type builtins.list"),
-])
+@pytest.mark.parametrize(
+    "case, bad, match",
+    [
+        ("non-contiguous", lambda: np.arange(8.0)[::2], "not C-contiguous"),
+        ("read-only", lambda: np.frombuffer(bytes(32), dtype=np.float64), "read-only"),
+        ("unsupported dtype", lambda: np.zeros(4, dtype=np.uint8), "unsupported dtype uint8"),
+        ("complex", lambda: np.zeros(4, dtype=np.complex64), "supported: float16, bfloat16"),
+        ("byte order", lambda: np.zeros(4, dtype=">f8"), "byte order"),
+        ("type", lambda: [1.0, 2.0, 3.0, 4.0], "unsupported buffer type builtins.list"),
+    ],
+)
 def test_bad_buffer_on_one_rank_reported_on_all(case: str, bad, match: str) -> None:
     comm = MPI.COMM_WORLD
     x = one_rank_differs(np.arange(4.0), bad())
@@ -97,13 +108,15 @@ def test_bad_buffer_on_one_rank_reported_on_all(case: str, bad, match: str) -> N
 
 
 def test_unknown_op_lists_valid_ops() -> None:
-    expect_same_error(lambda: collectives.allreduce(np.ones(3), op="mean"),
-                      "unknown op 'mean'", "sum, avg, min, max, prod")
+    expect_same_error(
+        lambda: collectives.allreduce(np.ones(3), op="mean"), "unknown op 'mean'", "sum, avg, min, max, prod"
+    )
 
 
 def test_unknown_algorithm_lists_valid_algorithms() -> None:
-    expect_same_error(lambda: collectives.allreduce(np.ones(3), algorithm="tree"),
-                      "unknown algorithm 'tree'", *collectives.ALGORITHMS)
+    expect_same_error(
+        lambda: collectives.allreduce(np.ones(3), algorithm="tree"), "unknown algorithm 'tree'", *collectives.ALGORITHMS
+    )
 
 
 def test_avg_on_integers_is_an_error() -> None:

@@ -9,13 +9,13 @@ import time
 
 import numpy as np
 import pytest
+from async_check import CONFIGS, check
 from mpi4py import MPI
+from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
 
 import algorithms
 from algorithms import SGD, topology
-from async_check import CONFIGS, check
 from collectives import ArgumentError
-from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
 
 pytestmark = pytest.mark.mpi
 
@@ -46,13 +46,25 @@ def test_sum_is_preserved_and_workers_agree_large_communicators(size: int) -> No
 def test_which_algorithms_take_uneven_steps() -> None:
     comm = MPI.COMM_WORLD
     flags = {}
-    for name, options in [("adpsgd", {}), ("grsgd", {}), ("prague", {}), ("prague", {"policy": "static"}),
-                          ("dpsgd", {}), ("allreduce", {"algorithm": "ring"})]:
+    for name, options in [
+        ("adpsgd", {}),
+        ("grsgd", {}),
+        ("prague", {}),
+        ("prague", {"policy": "static"}),
+        ("dpsgd", {}),
+        ("allreduce", {"algorithm": "ring"}),
+    ]:
         x = np.zeros(DIM)
         with algorithms.create(name, x, SGD(x, lr=0.1), comm, **options) as algo:
             flags[f"{name} {options}"] = algo.uneven_steps
-    assert flags == {"adpsgd {}": True, "grsgd {}": False, "prague {}": True, "prague {'policy': 'static'}": False,
-                     "dpsgd {}": False, "allreduce {'algorithm': 'ring'}": False}
+    assert flags == {
+        "adpsgd {}": True,
+        "grsgd {}": False,
+        "prague {}": True,
+        "prague {'policy': 'static'}": False,
+        "dpsgd {}": False,
+        "allreduce {'algorithm': 'ring'}": False,
+    }
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
@@ -67,9 +79,12 @@ def test_adpsgd_sides_bytes_and_pairwise_identity(size: int) -> None:
         algo.step(np.zeros(DIM))
     algo.settle()
     expected_topology = "ring" if n % 2 == 0 else "bipartite"
-    ok = (algo.active == (r % 2 == 0) and algo.topology.name.startswith(expected_topology)
-          and all(p % 2 != r % 2 for p in algo.peers)
-          and algo.bytes_sent == algo.averagings * x.nbytes)
+    ok = (
+        algo.active == (r % 2 == 0)
+        and algo.topology.name.startswith(expected_topology)
+        and all(p % 2 != r % 2 for p in algo.peers)
+        and algo.bytes_sent == algo.averagings * x.nbytes
+    )
     active_total = comm.allreduce(algo.averagings if algo.active else 0)
     passive_total = comm.allreduce(0 if algo.active else algo.averagings)
     ok &= active_total == passive_total == 30 * ((n + 1) // 2 if n > 1 else 0)
@@ -195,12 +210,15 @@ def test_half_precision_torch_models(name: str, dtype: str) -> None:
     assert all_ok(comm, np.allclose(X, a, rtol=0, atol=tolerance)), X
 
 
-@pytest.mark.parametrize("name,options,match", [
-    ("grsgd", {"max_lead": -1}, "max_lead must be an integer >= 0"),
-    ("prague", {"local_steps": 0}, "local_steps must be an integer >= 1"),
-    ("prague", {"policy": "fastest"}, "unknown policy 'fastest'"),
-    ("adpsgd", {"topology": topology.ring(9)}, "has 9 ranks"),
-])
+@pytest.mark.parametrize(
+    "name,options,match",
+    [
+        ("grsgd", {"max_lead": -1}, "max_lead must be an integer >= 0"),
+        ("prague", {"local_steps": 0}, "local_steps must be an integer >= 1"),
+        ("prague", {"policy": "fastest"}, "unknown policy 'fastest'"),
+        ("adpsgd", {"topology": topology.ring(9)}, "has 9 ranks"),
+    ],
+)
 def test_bad_options_raise_on_every_rank(name: str, options: dict, match: str) -> None:
     comm = MPI.COMM_WORLD
     x = np.zeros(DIM)

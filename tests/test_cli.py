@@ -6,9 +6,9 @@ import json
 import re
 
 import pytest
+from mpitest import mpiexec, on_rank0_quietly
 
 import collectives
-from mpitest import mpiexec, on_rank0_quietly
 
 pytestmark = pytest.mark.mpi
 
@@ -30,8 +30,11 @@ def test_info_sees_emulated_nodes() -> None:
 
 def test_bench_writes_every_candidate(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "bench", "--sizes", "4K,8K", "--repeat", "2",
-                                         "--batch-time", "0.001", "--json", str(out)])
+    proc = on_rank0_quietly(
+        mpiexec,
+        2,
+        ["-m", "mpidl", "bench", "--sizes", "4K,8K", "--repeat", "2", "--batch-time", "0.001", "--json", str(out)],
+    )
     assert proc.returncode == 0, proc.stderr
     data = on_rank0_quietly(lambda: json.loads(out.read_text()))
     names = {r["algorithm"] for r in data["results"]}

@@ -9,12 +9,12 @@ import math
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpitest import all_ok
 
 import collectives
-from collectives import costmodel
-from collectives.costmodel import Params
-from collectives.layout import Layout
-from mpitest import all_ok
+from collectives.topology.layout import Layout
+from collectives.tuning import calibration, costmodel
+from collectives.tuning.costmodel import Params
 
 A, B, G = 3e-6, 2e-10, 5e-11
 FLAT = Params(alpha_intra=A, beta_intra=B, alpha_inter=A, beta_inter=B, gamma=G, overhead=0.0)
@@ -29,15 +29,19 @@ def one_node(p: int) -> Layout:
 def test_textbook_forms(p: int) -> None:
     lay, n = one_node(p), float(N)
     lg, pof2 = math.log2(p), 1 << (p.bit_length() - 1)
-    assert costmodel.ring(FLAT, lay, n) == pytest.approx(2 * (p - 1) * A + 2 * n * (p - 1) / p * B + n * (p - 1) / p * G)
+    assert costmodel.ring(FLAT, lay, n) == pytest.approx(
+        2 * (p - 1) * A + 2 * n * (p - 1) / p * B + n * (p - 1) / p * G
+    )
     if p == pof2:
         assert costmodel.halving_doubling(FLAT, lay, n) == pytest.approx(
-            2 * lg * A + 2 * n * (p - 1) / p * B + n * (p - 1) / p * G)
+            2 * lg * A + 2 * n * (p - 1) / p * B + n * (p - 1) / p * G
+        )
         assert costmodel.butterfly(FLAT, lay, n) == pytest.approx(lg * (A + n * B + n * G))
     else:  # MPICH's non-power-of-two form, with p' = 2^floor(lg p)
         q = pof2
         assert costmodel.halving_doubling(FLAT, lay, n) == pytest.approx(
-            (2 * math.floor(lg) + 2) * A + (2 * (q - 1) / q + 2) * n * B + n * (1 + (q - 1) / q) * G)
+            (2 * math.floor(lg) + 2) * A + (2 * (q - 1) / q + 2) * n * B + n * (1 + (q - 1) / q) * G
+        )
     steps = math.ceil(lg)
     assert costmodel.reduce_broadcast(FLAT, lay, n) == pytest.approx(2 * steps * (A + n * B) + steps * n * G)
 
@@ -60,9 +64,17 @@ def test_inter_node_links_cost_more() -> None:
 
 @pytest.mark.parametrize("p", [2, 3, 8])
 def test_shared_memory_form(p: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(collectives.shm, "SEGMENT", 1 << 18)
-    prm = Params(alpha_intra=A, beta_intra=B, alpha_inter=10 * A, beta_inter=10 * B, gamma=G, overhead=0.0,
-                 alpha_shm=A / 3, beta_shm=B / 2)
+    monkeypatch.setattr(collectives.kernels.shm, "SEGMENT", 1 << 18)
+    prm = Params(
+        alpha_intra=A,
+        beta_intra=B,
+        alpha_inter=10 * A,
+        beta_inter=10 * B,
+        gamma=G,
+        overhead=0.0,
+        alpha_shm=A / 3,
+        beta_shm=B / 2,
+    )
     pieces = N // (1 << 18)
     one_node_time = (pieces + (p > 2)) * A / 3 + N * B / 2  # sliced on more than two ranks: one barrier more
     assert costmodel.shm(prm, one_node(p), N) == pytest.approx(one_node_time)
@@ -75,8 +87,9 @@ def test_shared_memory_form(p: int, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_check_costs_nothing_where_it_rides_along() -> None:
     from collectives.validation import FUSE_LIMIT
 
-    prm = Params(alpha_intra=A, beta_intra=B, alpha_inter=10 * A, beta_inter=10 * B, gamma=G, overhead=0.0,
-                 alpha_shm=A / 3)
+    prm = Params(
+        alpha_intra=A, beta_intra=B, alpha_inter=10 * A, beta_inter=10 * B, gamma=G, overhead=0.0, alpha_shm=A / 3
+    )
     node, nodes = one_node(4), Layout((0, 0, 1, 1, 2))
     assert costmodel.check_cost("shm", N, node, prm) == 0.0
     assert costmodel.check_cost("ring", N, node, prm) == pytest.approx(A / 3)  # one shared-memory barrier
@@ -114,26 +127,38 @@ def test_offsets_shift_one_algorithm() -> None:
         for name in costmodel.MODELS:
             delta = costmodel.predict(name, n, lay, shifted) - costmodel.predict(name, n, lay, FLAT)
             assert delta == pytest.approx(-5 * A if name == "reduce_broadcast" else 0.0)
-    assert costmodel.choose(64, lay, shifted, candidates=["butterfly", "reduce_broadcast"]).algorithm == "reduce_broadcast"
+    assert (
+        costmodel.choose(64, lay, shifted, candidates=["butterfly", "reduce_broadcast"]).algorithm == "reduce_broadcast"
+    )
 
 
 @pytest.mark.mpi
 def test_calibration_explain_and_debug_log(caplog: pytest.LogCaptureFixture) -> None:
     comm = MPI.COMM_WORLD
-    prm = costmodel.calibrate(comm, collectives.layout.layout(comm, "1"))
+    empty = np.zeros(0, np.float32)
+    prm = calibration.calibrate(
+        comm,
+        collectives.topology.layout.layout(comm, "1"),
+        entry=lambda: collectives.allreduce(empty, comm, algorithm="ring", validate=False),
+    )
     assert prm.alpha_intra > 0 and prm.beta_inter > 0 and prm.gamma > 0 and prm.overhead > 0
     # every message-passing algorithm's measured latency: its 8-byte prediction stays positive
     passing = {name for name in costmodel.MODELS if name != "shm"}
     assert set(prm.offset) == (passing if comm.Get_size() > 1 else set())
-    assert all(costmodel.MODELS[name](prm, collectives.layout.layout(comm, "1"), 8.0) + prm.offset[name] > 0
-               for name in prm.offset)
+    assert all(
+        costmodel.MODELS[name](prm, collectives.topology.layout.layout(comm, "1"), 8.0) + prm.offset[name] > 0
+        for name in prm.offset
+    )
     choice = collectives.explain(1 << 16, comm)
-    assert choice.algorithm in costmodel.MODELS and choice.predictions[choice.algorithm] == min(choice.predictions.values())
+    assert choice.algorithm in costmodel.MODELS and choice.predictions[choice.algorithm] == min(
+        choice.predictions.values()
+    )
     with caplog.at_level(logging.DEBUG, logger="collectives.auto"):
         x = np.ones(12345, np.float32)
         collectives.allreduce(x, comm, algorithm="auto")
-    assert all_ok(comm, any(r.getMessage().startswith("auto: ") and " for 49380 B " in r.getMessage()
-                            for r in caplog.records))
+    assert all_ok(
+        comm, any(r.getMessage().startswith("auto: ") and " for 49380 B " in r.getMessage() for r in caplog.records)
+    )
 
 
 @pytest.mark.mpi
@@ -144,11 +169,15 @@ def test_model_file_is_loaded_not_measured(tmp_path_factory, monkeypatch: pytest
         FLAT.save(path)
     comm.Barrier()
     monkeypatch.setenv("MPIDL_COSTMODEL", path)
-    monkeypatch.setattr(costmodel, "calibrate", lambda *a, **k: pytest.fail("re-measured"))
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail("re-measured"))
     sub = comm.Dup()
     try:
         for validate in (False, True):
-            assert collectives.explain(1 << 20, sub, validate=validate).predictions == costmodel.choose(
-                1 << 20, collectives.layout.layout(sub), FLAT, validate=validate).predictions
+            assert (
+                collectives.explain(1 << 20, sub, validate=validate).predictions
+                == costmodel.choose(
+                    1 << 20, collectives.topology.layout.layout(sub), FLAT, validate=validate
+                ).predictions
+            )
     finally:
         sub.Free()

@@ -8,9 +8,9 @@ transport is chosen once per process.
 from __future__ import annotations
 
 import pytest
-
-from collectives import gpu
 from mpitest import mpiexec, on_rank0_quietly
+
+from collectives.transport import gpu
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not gpu.available(), reason="no CUDA device (or no CuPy)")]
 

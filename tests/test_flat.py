@@ -13,12 +13,12 @@ from collectives import ArgumentError
 torch = pytest.importorskip("torch")
 
 
-def small_model() -> "torch.nn.Module":
+def small_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
 
 
-def concat(tensors) -> "torch.Tensor":
+def concat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
@@ -82,21 +82,25 @@ def test_numpy_model_is_its_own_flat_buffer() -> None:
     assert np.array_equal(x, np.arange(6.0).reshape(2, 3) - 0.5)
 
 
-@pytest.mark.parametrize("momentum,dampening,nesterov,weight_decay", [
-    (0.0, 0.0, False, 0.0),
-    (0.9, 0.0, False, 0.0),
-    (0.9, 0.1, False, 0.01),
-    (0.8, 0.0, True, 0.0),
-    (0.8, 0.0, True, 0.05),
-])
+@pytest.mark.parametrize(
+    "momentum,dampening,nesterov,weight_decay",
+    [
+        (0.0, 0.0, False, 0.0),
+        (0.9, 0.0, False, 0.0),
+        (0.9, 0.1, False, 0.01),
+        (0.8, 0.0, True, 0.0),
+        (0.8, 0.0, True, 0.05),
+    ],
+)
 def test_numpy_sgd_follows_torch_sgd(momentum: float, dampening: float, nesterov: bool, weight_decay: float) -> None:
     rng = np.random.default_rng(1)
     start = rng.standard_normal(7)
     x = start.copy()
     opt = SGD(x, lr=0.1, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay)
     p = torch.nn.Parameter(torch.tensor(start))
-    ref = torch.optim.SGD([p], lr=0.1, momentum=momentum, dampening=dampening, nesterov=nesterov,
-                          weight_decay=weight_decay)
+    ref = torch.optim.SGD(
+        [p], lr=0.1, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay
+    )
     for step in range(5):
         grad = rng.standard_normal(7)
         opt.grad[:] = grad
@@ -108,12 +112,15 @@ def test_numpy_sgd_follows_torch_sgd(momentum: float, dampening: float, nesterov
     assert np.allclose(x, p.detach().numpy(), rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: (torch.nn.Linear(2, 2), None), "optimizer must hold exactly"),
-    (lambda: (np.zeros(3), None), "algorithms.optim.SGD"),
-    (lambda: (np.zeros(3), SGD(np.zeros(3), lr=0.1)), "same array"),
-    (lambda: ([1.0, 2.0], None), "torch.nn.Module or a numpy array"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: (torch.nn.Linear(2, 2), None), "optimizer must hold exactly"),
+        (lambda: (np.zeros(3), None), "algorithms.optim.SGD"),
+        (lambda: (np.zeros(3), SGD(np.zeros(3), lr=0.1)), "same array"),
+        (lambda: ([1.0, 2.0], None), "torch.nn.Module or a numpy array"),
+    ],
+)
 def test_flatten_rejects(make, match: str) -> None:
     model, opt = make()
     if opt is None and isinstance(model, torch.nn.Module):

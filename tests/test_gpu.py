@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 
 import pytest
-
-from collectives import gpu
 from mpitest import mpiexec, on_rank0_quietly
+
+from collectives.transport import gpu
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not gpu.available(), reason="no CUDA device (or no CuPy)")]
 
@@ -35,7 +35,10 @@ def test_info_reports_the_transport_and_why() -> None:
 
 
 def test_bench_on_device() -> None:
-    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "bench", "--device", "cuda", "--sizes", "4K,1M",
-                                         "--repeat", "3", "--batch-time", "0.002"])
+    proc = on_rank0_quietly(
+        mpiexec,
+        2,
+        ["-m", "mpidl", "bench", "--device", "cuda", "--sizes", "4K,1M", "--repeat", "3", "--batch-time", "0.002"],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ring" in proc.stdout and "native" in proc.stdout

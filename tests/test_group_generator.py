@@ -54,8 +54,8 @@ def test_request_while_in_pending_group_is_served_by_it() -> None:
     """w1, active in {w0,w1} and drafted into the pending {w1,w2}, asks: that group serves it."""
     gg = GroupGenerator(4, 2, draw=scripted((0, 1), (1, 2)))
     (g1,) = gg.request(0)
-    assert gg.request(2) == []          # {w1,w2} waits for w1
-    assert gg.request(1) == []          # draws nothing: the script has no third group
+    assert gg.request(2) == []  # {w1,w2} waits for w1
+    assert gg.request(1) == []  # draws nothing: the script has no third group
     assert [g.members for g in gg.pending] == [(1, 2)] and gg.waiting == (2, 1)
     (g2,) = release(gg, g1.gid, (0, 1))
     assert g2.members == (1, 2) and g2.served.keys() == {1, 2}
@@ -64,14 +64,14 @@ def test_request_while_in_pending_group_is_served_by_it() -> None:
 def test_fair_queue_claims_block_later_groups() -> None:
     """A waiting group keeps its members: later groups cannot take them first."""
     gg = GroupGenerator(5, 2, draw=scripted((0, 1), (0, 3), (1, 3), (0, 2), (2, 4)))
-    (a,) = gg.request(0)                  # {w0,w1} active
-    assert gg.request(3) == []            # {w0,w3} waits for w0
-    assert gg.request(1) == []            # {w1,w3}: w1 locked, and w3 is claimed by {w0,w3}
-    assert gg.request(2) == []            # {w0,w2} waits behind {w0,w3}
-    assert gg.request(4) == []            # {w2,w4}: w2 is free but claimed by {w0,w2}
+    (a,) = gg.request(0)  # {w0,w1} active
+    assert gg.request(3) == []  # {w0,w3} waits for w0
+    assert gg.request(1) == []  # {w1,w3}: w1 locked, and w3 is claimed by {w0,w3}
+    assert gg.request(2) == []  # {w0,w2} waits behind {w0,w3}
+    assert gg.request(4) == []  # {w2,w4}: w2 is free but claimed by {w0,w2}
     assert [g.members for g in gg.pending] == [(0, 3), (1, 3), (0, 2), (2, 4)]
     started = release(gg, a.gid, (1, 0))
-    assert [g.members for g in started] == [(0, 3)]   # first in line, although w1 was freed first
+    assert [g.members for g in started] == [(0, 3)]  # first in line, although w1 was freed first
     started = release(gg, started[0].gid, (3, 0))
     assert [g.members for g in started] == [(1, 3), (0, 2)]  # disjoint: both run
     b, c = started
@@ -91,7 +91,7 @@ def test_repeatedly_conflicting_requests_are_served_in_turn() -> None:
         helper = g.members[1]
         (g,) = release(gg, g.gid, (helper, 0))
         order.append(g.members[1])
-        assert gg.request(helper) == []   # asks again at once: back of the queue
+        assert gg.request(helper) == []  # asks again at once: back of the queue
     assert order == [3, 2, 4, 5, 1] * 2 + [3, 2]
 
 
@@ -116,12 +116,12 @@ def test_random_draw_is_seeded_and_contains_requester() -> None:
 
 def test_smart_groups_waiting_workers_only() -> None:
     gg = GroupGenerator(6, 3, "smart")
-    assert gg.request(4) == [] and gg.request(2) == []   # two idle workers: not enough
+    assert gg.request(4) == [] and gg.request(2) == []  # two idle workers: not enough
     (g,) = gg.request(5)
     assert g.members == (2, 4, 5) and g.requester == 4 and g.served.keys() == {2, 4, 5}
-    assert gg.locks == (0, 0, 1, 0, 1, 1)                 # computing workers never drafted
+    assert gg.locks == (0, 0, 1, 0, 1, 1)  # computing workers never drafted
     gg.close(0), gg.close(1)
-    (h,) = gg.request(3)                                  # closed workers are idle too
+    (h,) = gg.request(3)  # closed workers are idle too
     assert h.members == (0, 1, 3) and h.served.keys() == {3}
 
 
@@ -130,7 +130,7 @@ def test_smart_oldest_request_leads() -> None:
     assert gg.request(0) == []
     (g,) = gg.request(1)
     assert gg.request(2) == []
-    gg.done(0, g.gid)                 # w0 free again, but w0 has no request
+    gg.done(0, g.gid)  # w0 free again, but w0 has no request
     (h,) = gg.request(3)
     assert h.members == (2, 3) and h.requester == 2
 
@@ -140,32 +140,38 @@ def test_static_schedule_partitions_every_period(n: int, k: int) -> None:
     periods = [static_groups(n, k, p, seed=3) for p in range(6)]
     for groups in periods:
         members = [w for g in groups for w in g]
-        assert sorted(members) == list(range(n))            # covers everyone, no conflict
+        assert sorted(members) == list(range(n))  # covers everyone, no conflict
         assert all(1 <= len(g) <= k for g in groups)
         assert max(map(len, groups)) - min(map(len, groups)) <= 1
     assert periods == [static_groups(n, k, p, seed=3) for p in range(6)]  # computable anywhere
     if n >= 4 and 1 < k < n:
-        assert len(set(periods)) > 1                          # rotates
+        assert len(set(periods)) > 1  # rotates
 
 
 def test_static_group_fixed_within_a_period() -> None:
     groups = [static_group(5, it, 8, 2, period=2, seed=1) for it in range(8)]
     assert groups[0] == groups[1] and groups[2] == groups[3] and 5 in groups[0]
-    assert all(static_group(w, 3, 8, 2, 2, 1) == static_group(m, 3, 8, 2, 2, 1)
-               for w in range(8) for m in static_group(w, 3, 8, 2, 2, 1))
+    assert all(
+        static_group(w, 3, 8, 2, 2, 1) == static_group(m, 3, 8, 2, 2, 1)
+        for w in range(8)
+        for m in static_group(w, 3, 8, 2, 2, 1)
+    )
 
 
-@pytest.mark.parametrize("make", [
-    lambda: GroupGenerator(4, 0),
-    lambda: GroupGenerator(4, 5),
-    lambda: GroupGenerator(4, 2.5),
-    lambda: GroupGenerator(0, 1),
-    lambda: GroupGenerator(4, 2, "fastest"),
-    lambda: GroupGenerator(4, 2, "static"),
-    lambda: GroupGenerator(4, 2, "smart", draw=lambda w: (w,)),
-    lambda: static_groups(4, 0, 0),
-    lambda: static_group(0, 0, 4, 2, period=0),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: GroupGenerator(4, 0),
+        lambda: GroupGenerator(4, 5),
+        lambda: GroupGenerator(4, 2.5),
+        lambda: GroupGenerator(0, 1),
+        lambda: GroupGenerator(4, 2, "fastest"),
+        lambda: GroupGenerator(4, 2, "static"),
+        lambda: GroupGenerator(4, 2, "smart", draw=lambda w: (w,)),
+        lambda: static_groups(4, 0, 0),
+        lambda: static_group(0, 0, 4, 2, period=0),
+    ],
+)
 def test_bad_arguments(make) -> None:
     with pytest.raises(ArgumentError):
         make()
@@ -174,7 +180,7 @@ def test_bad_arguments(make) -> None:
 def test_protocol_misuse_is_rejected() -> None:
     gg = GroupGenerator(3, 2, draw=scripted((0, 1), (1, 2), (1,)))
     (g,) = gg.request(0)
-    assert gg.request(2) == []             # {w1,w2} waits
+    assert gg.request(2) == []  # {w1,w2} waits
     with pytest.raises(ArgumentError, match="outstanding request"):
         gg.request(2)
     with pytest.raises(ArgumentError, match="outstanding request"):
@@ -184,8 +190,8 @@ def test_protocol_misuse_is_rejected() -> None:
     with pytest.raises(ArgumentError, match="out of range"):
         gg.request(3)
     with pytest.raises(ArgumentError, match="must contain the requester"):
-        gg.request(0)                      # draws (1,)
-    assert gg.waiting == (2,)              # the bad request left no trace
+        gg.request(0)  # draws (1,)
+    assert gg.waiting == (2,)  # the bad request left no trace
     gg.close(0)
     with pytest.raises(ArgumentError, match="has closed"):
         gg.request(0)
@@ -194,7 +200,7 @@ def test_protocol_misuse_is_rejected() -> None:
 
 
 def simulate(n: int, k: int, policy: str, iterations: int, seed: int) -> None:
-    """Run the worker protocol of collectives.preduce against the GG, one random action at a time.
+    """Run the worker protocol of collectives.partial.preduce against the GG, one random action at a time.
 
     Each worker computes, calls average() ``iterations`` times, then close().
     Inside those calls it takes its notifications in order; a group's
@@ -207,7 +213,7 @@ def simulate(n: int, k: int, policy: str, iterations: int, seed: int) -> None:
     value = [Fraction(rng.randint(-50, 50)) for _ in range(n)]
     total = sum(value)
     left = [iterations] * n
-    state = ["compute"] * n              # compute | in_call | closing
+    state = ["compute"] * n  # compute | in_call | closing
     inbox: list[deque] = [deque() for _ in range(n)]
     served = [0] * n
     started_order: list = []

@@ -8,11 +8,11 @@ from typing import Callable
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpitest import all_ok, comm_of_size
 
 import collectives
 from collectives import ArgumentError, NeighborWeights, neighbor_allreduce
-from collectives.p2p import bytes_sent
-from mpitest import all_ok, comm_of_size
+from collectives.transport.p2p import bytes_sent
 
 pytestmark = pytest.mark.mpi
 
@@ -164,11 +164,17 @@ def test_missing_sender_raises_everywhere_buffer_untouched() -> None:
         pytest.skip("needs two ranks")
     full = ring(r, n)
     # the last rank stops sending: its right-hand neighbor (rank 0) still expects its data
-    row = last_rank_gets(comm, full, NeighborWeights(full.self_weight, dict(full.sources),
-                                                     [j for j in full.destinations if j != 0]))
+    row = last_rank_gets(
+        comm, full, NeighborWeights(full.self_weight, dict(full.sources), [j for j in full.destinations if j != 0])
+    )
     x = np.arange(4.0) + r
-    expect_same_error(comm, lambda: neighbor_allreduce(x, row, comm), "inconsistent graph",
-                      f"rank 0 expects data from rank(s) [{n - 1}]", "no data moved")
+    expect_same_error(
+        comm,
+        lambda: neighbor_allreduce(x, row, comm),
+        "inconsistent graph",
+        f"rank 0 expects data from rank(s) [{n - 1}]",
+        "no data moved",
+    )
     assert all_ok(comm, np.array_equal(x, np.arange(4.0) + r))
 
 
@@ -181,17 +187,21 @@ def test_unexpected_sender_raises_everywhere() -> None:
     if r == 0:  # also sends to rank 2, which does not expect it
         row = NeighborWeights(row.self_weight, dict(row.sources), [1, 2])
     x = np.ones(3)
-    expect_same_error(comm, lambda: neighbor_allreduce(x, row, comm),
-                      "rank 2 is sent data by rank(s) [0], which it does not list")
+    expect_same_error(
+        comm, lambda: neighbor_allreduce(x, row, comm), "rank 2 is sent data by rank(s) [0], which it does not list"
+    )
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda r, n: NeighborWeights(0.5, {r: 0.5}), "lists itself"),
-    (lambda r, n: NeighborWeights(0.5, {n: 0.5}), "outside the communicator"),
-    (lambda r, n: NeighborWeights(0.5, {}, destinations=[n + 3]), "outside the communicator"),
-    (lambda r, n: NeighborWeights(float("nan"), {}), "finite"),
-    (lambda r, n: {"self": 1.0}, "NeighborWeights"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda r, n: NeighborWeights(0.5, {r: 0.5}), "lists itself"),
+        (lambda r, n: NeighborWeights(0.5, {n: 0.5}), "outside the communicator"),
+        (lambda r, n: NeighborWeights(0.5, {}, destinations=[n + 3]), "outside the communicator"),
+        (lambda r, n: NeighborWeights(float("nan"), {}), "finite"),
+        (lambda r, n: {"self": 1.0}, "NeighborWeights"),
+    ],
+)
 def test_bad_row_on_one_rank(bad, match: str) -> None:
     comm = MPI.COMM_WORLD
     n, r = comm.Get_size(), comm.Get_rank()

@@ -4,15 +4,16 @@ and consensus on 1..8 ranks, drafts served in close(), trace, bad input."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
+from preduce_check import check, configs
 
 import collectives
 from collectives import ArgumentError, CollectiveError, GroupComm, PReduce
-from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
-from preduce_check import check, configs
 
 pytestmark = pytest.mark.mpi
 
@@ -148,7 +149,7 @@ def test_trace_lines(spec: str, tmp_path_factory: pytest.TempPathFactory, monkey
     with PReduce(x, comm, group_size=min(2, n), trace=path if spec == "argument" else None) as pr:
         for _ in range(3):
             pr.average()
-    text = open(path).read() if r == 0 else ""
+    text = Path(path).read_text() if r == 0 else ""
     ok = r != 0 or all(word in text for word in ("request w", "start g", "locks [", "done w", "close w"))
     assert all_ok(comm, ok), text[-2000:]
 
@@ -170,15 +171,18 @@ def test_empty_buffer_still_takes_part() -> None:
     assert all_ok(comm, pr.stats.calls == 5)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(group_size=0), "group_size"),
-    (dict(group_size=10_000), "group_size"),
-    (dict(policy="fastest"), "unknown policy"),
-    (dict(algorithm="tree"), "unknown algorithm"),
-    (dict(period=0), "period"),
-    (dict(seed=-1), "seed"),
-    (dict(service_rank=10_000), "service_rank"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(group_size=0), "group_size"),
+        (dict(group_size=10_000), "group_size"),
+        (dict(policy="fastest"), "unknown policy"),
+        (dict(algorithm="tree"), "unknown algorithm"),
+        (dict(period=0), "period"),
+        (dict(seed=-1), "seed"),
+        (dict(service_rank=10_000), "service_rank"),
+    ],
+)
 def test_bad_arguments_raise_on_every_rank(kwargs: dict, match: str) -> None:
     with pytest.raises(ArgumentError, match=match):
         PReduce(np.zeros(3), MPI.COMM_WORLD, **kwargs)

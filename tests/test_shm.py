@@ -7,13 +7,15 @@ import threading
 
 import numpy as np
 import pytest
+from allreduce_matrix import available_dtypes, check
 from mpi4py import MPI
+from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
 
 import collectives
-from allreduce_matrix import available_dtypes, check
-from collectives import ArgumentError, p2p, shm
-from collectives.context import context
-from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
+from collectives import ArgumentError
+from collectives.kernels import shm
+from collectives.transport import p2p
+from collectives.transport.context import context
 
 pytestmark = pytest.mark.mpi
 
@@ -68,10 +70,11 @@ def test_disagreement_after_the_plan_exists(algorithm: str) -> None:
     assert all_ok(comm, bool(np.all(x == np.arange(6) * comm.Get_size())))
     if algorithm == "shm":  # the bound call carries the check in the segment
         assert any(call.carrier is not None for call in context(comm).calls.values())
-    cases = [(np.arange(one_rank_differs(comm, 6, 5), dtype=np.float32), "length differs"),
-             (np.arange(6, dtype=one_rank_differs(comm, np.float32, np.float64)), "dtype differs"),
-             (one_rank_differs(comm, np.arange(6, dtype=np.float32), np.frombuffer(bytes(24), np.float32)),
-              "read-only")]
+    cases = [
+        (np.arange(one_rank_differs(comm, 6, 5), dtype=np.float32), "length differs"),
+        (np.arange(6, dtype=one_rank_differs(comm, np.float32, np.float64)), "dtype differs"),
+        (one_rank_differs(comm, np.arange(6, dtype=np.float32), np.frombuffer(bytes(24), np.float32)), "read-only"),
+    ]
     for x, match in cases:
         before = x.copy()
         with pytest.raises(ArgumentError) as info:

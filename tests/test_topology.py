@@ -57,8 +57,11 @@ def test_torus_spectrum_closed_form(rows: int, cols: int) -> None:
     topo = topology.torus(rows * cols, shape=(rows, cols))
     assert_valid_mixing(topo)
     assert topo.neighbors(0) == tuple(sorted({1, cols - 1, cols, (rows - 1) * cols}))
-    eigs = sorted((1 + 2 * math.cos(2 * math.pi * a / rows) + 2 * math.cos(2 * math.pi * b / cols)) / 5
-                  for a in range(rows) for b in range(cols))
+    eigs = sorted(
+        (1 + 2 * math.cos(2 * math.pi * a / rows) + 2 * math.cos(2 * math.pi * b / cols)) / 5
+        for a in range(rows)
+        for b in range(cols)
+    )
     assert np.allclose(np.linalg.eigvalsh(topo.W), eigs, atol=1e-12)
     assert topo.lambda2 == pytest.approx(max(abs(e) for e in eigs[:-1]), abs=1e-12)
 
@@ -113,25 +116,28 @@ def test_neighbor_weights_row() -> None:
     assert sum(w for _, w in row.sources) + row.self_weight == pytest.approx(1)
 
 
-@pytest.mark.parametrize("build,message", [
-    (lambda: topology.from_edges(4, [(0, 1), (2, 3)]), "disconnected"),
-    (lambda: topology.from_edges(3, [(0, 1), (1, 3)]), "out of range"),
-    (lambda: topology.from_edges(3, [(0, 1), (1, 1), (1, 2)]), "self-loop"),
-    (lambda: topology.from_edges(3, [(0, 1, 2)]), "pair"),
-    (lambda: topology.from_adjacency([[0, 1, 0], [0, 0, 1], [1, 1, 0]]), "not symmetric"),
-    (lambda: topology.from_adjacency([[1, 1], [1, 0]]), "self-loops"),
-    (lambda: topology.from_adjacency([[0, 2], [2, 0]]), "0 or 1"),
-    (lambda: topology.from_matrix([[0.5, 0.5], [0.25, 0.75]]), "not symmetric"),
-    (lambda: topology.from_matrix([[0.5, 0.4], [0.4, 0.5]]), "not 1"),
-    (lambda: topology.from_matrix([[1.5, -0.5], [-0.5, 1.5]]), "negative"),
-    (lambda: topology.from_matrix([[1.0, 0.0], [0.0, 1.0]]), "disconnected"),
-    (lambda: topology.from_matrix([[1.0, 0.0, 0.0]]), "square"),
-    (lambda: topology.hypercube(6), "power-of-two"),
-    (lambda: topology.torus(6, shape=(4, 2)), "does not hold"),
-    (lambda: topology.ring(0), "positive integer"),
-    (lambda: topology.ring(4, weights="max"), "unknown weights"),
-    (lambda: topology.build("star", 4), "unknown topology"),
-])
+@pytest.mark.parametrize(
+    "build,message",
+    [
+        (lambda: topology.from_edges(4, [(0, 1), (2, 3)]), "disconnected"),
+        (lambda: topology.from_edges(3, [(0, 1), (1, 3)]), "out of range"),
+        (lambda: topology.from_edges(3, [(0, 1), (1, 1), (1, 2)]), "self-loop"),
+        (lambda: topology.from_edges(3, [(0, 1, 2)]), "pair"),
+        (lambda: topology.from_adjacency([[0, 1, 0], [0, 0, 1], [1, 1, 0]]), "not symmetric"),
+        (lambda: topology.from_adjacency([[1, 1], [1, 0]]), "self-loops"),
+        (lambda: topology.from_adjacency([[0, 2], [2, 0]]), "0 or 1"),
+        (lambda: topology.from_matrix([[0.5, 0.5], [0.25, 0.75]]), "not symmetric"),
+        (lambda: topology.from_matrix([[0.5, 0.4], [0.4, 0.5]]), "not 1"),
+        (lambda: topology.from_matrix([[1.5, -0.5], [-0.5, 1.5]]), "negative"),
+        (lambda: topology.from_matrix([[1.0, 0.0], [0.0, 1.0]]), "disconnected"),
+        (lambda: topology.from_matrix([[1.0, 0.0, 0.0]]), "square"),
+        (lambda: topology.hypercube(6), "power-of-two"),
+        (lambda: topology.torus(6, shape=(4, 2)), "does not hold"),
+        (lambda: topology.ring(0), "positive integer"),
+        (lambda: topology.ring(4, weights="max"), "unknown weights"),
+        (lambda: topology.build("star", 4), "unknown topology"),
+    ],
+)
 def test_invalid_graphs_raise(build, message: str) -> None:
     with pytest.raises(TopologyError, match=message):
         build()

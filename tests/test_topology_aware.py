@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from allreduce_matrix import check
 from mpi4py import MPI
+from mpitest import all_ok, gather_failures, mpiexec, on_rank0_quietly
 
 import collectives
-from allreduce_matrix import check
 from collectives import ArgumentError
-from collectives.context import context
-from collectives.layout import Layout, layout
-from mpitest import all_ok, gather_failures, mpiexec, on_rank0_quietly
+from collectives.topology.layout import Layout, layout
+from collectives.transport.context import context
 
 pytestmark = pytest.mark.mpi
 
@@ -56,8 +56,7 @@ def test_emulated_layouts(algorithm: str) -> None:
     comm = MPI.COMM_WORLD
     failures: list[str] = []
     for spec in layouts(comm.Get_size()):
-        failures += check(comm, [algorithm], ["float32", "int64"], ["sum", "max"],
-                          [0, 1, 3, 5, 33], layout=spec)
+        failures += check(comm, [algorithm], ["float32", "int64"], ["sum", "max"], [0, 1, 3, 5, 33], layout=spec)
     failures = gather_failures(comm, failures)
     assert all_ok(comm, not failures), "\n".join(failures[:20])
 
@@ -96,6 +95,11 @@ def test_sub_communicators_are_built_once() -> None:
 
 def test_real_multi_node_layout() -> None:
     """MPICH's launcher with two hosts makes COMM_TYPE_SHARED report two nodes on one machine."""
-    proc = on_rank0_quietly(mpiexec, 4, ["tests/allreduce_matrix.py", "--algorithms", ",".join(TOPOLOGY_AWARE)],
-                            hosts="a:2,b:2", timeout=240)
+    proc = on_rank0_quietly(
+        mpiexec,
+        4,
+        ["tests/allreduce_matrix.py", "--algorithms", ",".join(TOPOLOGY_AWARE)],
+        hosts="a:2,b:2",
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

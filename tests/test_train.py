@@ -9,17 +9,34 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from mpidl import compare
 from mpitest import mpiexec, on_rank0_quietly
 
-pytestmark = [pytest.mark.mpi,
-              pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn")]
+from mpidl import compare
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn"),
+]
 
 QUICK = ["--epochs", "2", "--hidden", "16", "--no-progress"]
 
-EPOCH_KEYS = {"epoch", "time_s", "epoch_s", "eval_s", "train_loss", "steps", "test_loss", "test_acc", "test_acc_worst",
-              "test_acc_mean", "consensus", "bytes_per_step_mean", "bytes_per_step_max", "bytes_total", "workers"}
+EPOCH_KEYS = {
+    "epoch",
+    "time_s",
+    "epoch_s",
+    "eval_s",
+    "train_loss",
+    "steps",
+    "test_loss",
+    "test_acc",
+    "test_acc_worst",
+    "test_acc_mean",
+    "consensus",
+    "bytes_per_step_mean",
+    "bytes_per_step_max",
+    "bytes_total",
+    "workers",
+}
 WORKER_KEYS = {"test_acc", "consensus", "train_loss", "iterations", "bytes_sent", "comm_wait_s", "time_s"}
 
 
@@ -35,15 +52,29 @@ def read(path: Path) -> dict:
 
 def untimed(epochs: list[dict]) -> list[dict]:
     """Per-epoch records without the times (which differ between runs)."""
-    return [{k: v for k, v in e.items() if not k.endswith("_s") and k != "workers"}
-            | {k: v for k, v in e["workers"].items() if not k.endswith("_s")} for e in epochs]
+    return [
+        {k: v for k, v in e.items() if not k.endswith("_s") and k != "workers"}
+        | {k: v for k, v in e["workers"].items() if not k.endswith("_s")}
+        for e in epochs
+    ]
 
 
 def test_dpsgd_ring_writes_the_documented_json_and_plot(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tmp_path_factory.mktemp("train")
     plot = ["--plot", str(out / "run.png")] if importlib.util.find_spec("matplotlib") else []
-    rc, stdout, stderr = train(4, "--algorithm", "dpsgd", "--topology", "ring", "--backend", "numpy",
-                               "--json", str(out / "run.json"), *plot, *QUICK)
+    rc, stdout, stderr = train(
+        4,
+        "--algorithm",
+        "dpsgd",
+        "--topology",
+        "ring",
+        "--backend",
+        "numpy",
+        "--json",
+        str(out / "run.json"),
+        *plot,
+        *QUICK,
+    )
     assert rc == 0, stderr
     assert stdout.startswith("# mpidl train: dpsgd (topology=ring), ring(4)")
     assert [line.split()[1] for line in stdout.splitlines() if line.startswith("epoch")] == ["1/2", "2/2"]
@@ -72,8 +103,9 @@ def test_same_seed_same_metrics(tmp_path_factory: pytest.TempPathFactory) -> Non
     out = tmp_path_factory.mktemp("seed")
     runs = []
     for name, seed in (("a", "5"), ("b", "5"), ("c", "6")):
-        rc, _, stderr = train(2, "--algorithm", "dpsgd", "--backend", "numpy", "--seed", seed,
-                              "--json", str(out / f"{name}.json"), *QUICK)
+        rc, _, stderr = train(
+            2, "--algorithm", "dpsgd", "--backend", "numpy", "--seed", seed, "--json", str(out / f"{name}.json"), *QUICK
+        )
         assert rc == 0, stderr
         runs.append(read(out / f"{name}.json")["epochs"])
 
@@ -84,8 +116,20 @@ def test_same_seed_same_metrics(tmp_path_factory: pytest.TempPathFactory) -> Non
 def test_torch_allreduce_keeps_one_model(tmp_path_factory: pytest.TempPathFactory) -> None:
     pytest.importorskip("torch")
     out = tmp_path_factory.mktemp("torch") / "run.json"
-    rc, stdout, stderr = train(2, "--algorithm", "allreduce", "--collective", "ring", "--backend", "torch",
-                               "--slow", "1:2", "--json", str(out), *QUICK)
+    rc, stdout, stderr = train(
+        2,
+        "--algorithm",
+        "allreduce",
+        "--collective",
+        "ring",
+        "--backend",
+        "torch",
+        "--slow",
+        "1:2",
+        "--json",
+        str(out),
+        *QUICK,
+    )
     assert rc == 0, stderr
     run = read(out)
     assert run["meta"]["backend"] == "torch" and run["meta"]["slow"] == {"1": 2.0}
@@ -128,8 +172,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path_factory: pytest.TempPa
 
 
 @pytest.mark.parametrize("algorithm", ["adpsgd", "prague"])
-def test_workers_step_at_their_own_speed_with_a_straggler(algorithm: str,
-                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_workers_step_at_their_own_speed_with_a_straggler(
+    algorithm: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """AD-PSGD and Prague: an epoch is 4 x 12 steps of all workers together (give or take the
     steps taken while its end is announced, which count towards the next one, so the overshoot
     does not add up over epochs); the rank slowed x20 takes fewer of them than the others;
@@ -142,8 +187,9 @@ def test_workers_step_at_their_own_speed_with_a_straggler(algorithm: str,
     paths = {name: out / f"{name}.json" for name in ("allreduce", algorithm)}
     for name, path in paths.items():
         extra = ["--collective", "ring"] if name == "allreduce" else []
-        rc, stdout, stderr = train(4, "--algorithm", name, *extra, "--backend", "numpy", "--slow", "3:20",
-                                   "--json", str(path), *QUICK)
+        rc, _stdout, stderr = train(
+            4, "--algorithm", name, *extra, "--backend", "numpy", "--slow", "3:20", "--json", str(path), *QUICK
+        )
         assert rc == 0, stderr
     run = read(paths[algorithm])
     assert run["meta"]["uneven_steps"] and run["meta"]["slow"] == {"3": 20.0}
@@ -163,8 +209,9 @@ def test_workers_step_at_their_own_speed_with_a_straggler(algorithm: str,
 
 def test_grsgd_takes_equal_steps_within_its_lead(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tmp_path_factory.mktemp("grsgd") / "run.json"
-    rc, stdout, stderr = train(4, "--algorithm", "grsgd", "--max-lead", "1", "--backend", "numpy", "--slow", "0:3",
-                               "--json", str(out), *QUICK)
+    rc, _stdout, stderr = train(
+        4, "--algorithm", "grsgd", "--max-lead", "1", "--backend", "numpy", "--slow", "0:3", "--json", str(out), *QUICK
+    )
     assert rc == 0, stderr
     run = read(out)
     assert run["meta"]["options"] == {"max_lead": "1"} and not run["meta"]["uneven_steps"]
@@ -173,19 +220,22 @@ def test_grsgd_takes_equal_steps_within_its_lead(tmp_path_factory: pytest.TempPa
     assert last["bytes_per_step_max"] <= 2 * run["meta"]["model_bytes"] and last["consensus"] < 1e-2
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--algorithm", "lsgd", "--checkpoint", "/tmp/never"], "lsgd keeps communication in flight"),
-    (["--resume"], "--resume needs --checkpoint DIR"),
-    (["--algorithm", "nope"], "invalid choice: 'nope'"),
-    (["--slow", "3"], "bad --slow '3': use RANK:FACTOR"),
-    (["--slow", "2:3"], "--slow names rank(s) [2], but there are only 2 ranks"),
-    (["--algorithm", "allreduce", "--topology", "ring"], "--topology does not apply to --algorithm allreduce"),
-    (["--algorithm", "grsgd", "--policy", "smart"], "--policy does not apply to --algorithm grsgd"),
-    (["--algorithm", "prague", "--group-size", "3"], "group_size must be an integer in 1..2"),
-    (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent"], "not found in /nonexistent"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--algorithm", "lsgd", "--checkpoint", "/tmp/never"], "lsgd keeps communication in flight"),
+        (["--resume"], "--resume needs --checkpoint DIR"),
+        (["--algorithm", "nope"], "invalid choice: 'nope'"),
+        (["--slow", "3"], "bad --slow '3': use RANK:FACTOR"),
+        (["--slow", "2:3"], "--slow names rank(s) [2], but there are only 2 ranks"),
+        (["--algorithm", "allreduce", "--topology", "ring"], "--topology does not apply to --algorithm allreduce"),
+        (["--algorithm", "grsgd", "--policy", "smart"], "--policy does not apply to --algorithm grsgd"),
+        (["--algorithm", "prague", "--group-size", "3"], "group_size must be an integer in 1..2"),
+        (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent"], "not found in /nonexistent"),
+    ],
+)
 def test_errors_are_reported_once_with_exit_status_2(argv: list[str], message: str) -> None:
-    rc, stdout, stderr = train(2, *argv, "--backend", "numpy", "--no-progress")
+    rc, _stdout, stderr = train(2, *argv, "--backend", "numpy", "--no-progress")
     assert rc == 2
     assert stderr.count(message) == 1, stderr
     assert "Traceback" not in stderr

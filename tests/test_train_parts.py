@@ -69,7 +69,7 @@ def test_fashion_mnist_reads_gzipped_and_raw_idx_files(tmp_path) -> None:
     assert np.array_equal(ds.x_train, images["train"].reshape(6, -1))
     assert np.array_equal(ds.y_test, labels["t10k"]) and ds.y_test.dtype == np.int64
     norm = ds.normalized()
-    assert norm.x_train.dtype == np.float32 and 0 <= norm.x_train.min() and norm.x_train.max() <= 1
+    assert norm.x_train.dtype == np.float32 and norm.x_train.min() >= 0 and norm.x_train.max() <= 1
     assert np.allclose(norm.x_train * 255, images["train"].reshape(6, -1))
 
 
@@ -83,7 +83,7 @@ def test_idx_errors_are_clear(tmp_path) -> None:
         data.read_idx(str(tmp_path / "short"))
     _write_idx(tmp_path / "wide", np.arange(6, dtype=">i4").reshape(2, 3), 0x0C)
     assert data.read_idx(str(tmp_path / "wide")).tolist() == [[0, 1, 2], [3, 4, 5]]
-    with pytest.raises(data.DatasetError, match="train-images-idx3-ubyte.*not found"):
+    with pytest.raises(data.DatasetError, match=r"train-images-idx3-ubyte.*not found"):
         data.load_fashion_mnist(str(tmp_path))
 
 
@@ -169,24 +169,28 @@ def test_algorithm_options_go_to_the_algorithms_that_take_them() -> None:
         config_from_args(_args("--algorithm", "allreduce", "--topology", "ring"))
     with pytest.raises(UsageError, match="--collective does not apply to --algorithm dpsgd"):
         config_from_args(_args("--collective", "ring"))
-    assert config_from_args(_args("--algorithm", "prague", "--policy", "random", "--group-size", "3",
-                                  "--local-steps", "2")).options == {"policy": "random", "group_size": 3,
-                                                                     "local_steps": 2}
+    assert config_from_args(
+        _args("--algorithm", "prague", "--policy", "random", "--group-size", "3", "--local-steps", "2")
+    ).options == {"policy": "random", "group_size": 3, "local_steps": 2}
     assert config_from_args(_args("--algorithm", "grsgd", "--max-lead", "0")).options == {"max_lead": 0}
     assert config_from_args(_args("--algorithm", "adpsgd", "--topology", "bipartite")).options == {
-        "topology": "bipartite"}
+        "topology": "bipartite"
+    }
     with pytest.raises(UsageError, match="--max-lead does not apply to --algorithm adpsgd"):
         config_from_args(_args("--algorithm", "adpsgd", "--max-lead", "1"))
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--algorithm", "nope"], "invalid choice: 'nope'"),
-    (["--epochs", "0"], "expected a positive int"),
-    (["--lr", "-1"], "expected a number >= 0"),
-    (["--hidden", "64,x"], "expected a positive int"),
-    (["--max-lead", "-1"], "expected an integer >= 0"),
-    (["--policy", "fastest"], "invalid choice: 'fastest'"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--algorithm", "nope"], "invalid choice: 'nope'"),
+        (["--epochs", "0"], "expected a positive int"),
+        (["--lr", "-1"], "expected a number >= 0"),
+        (["--hidden", "64,x"], "expected a positive int"),
+        (["--max-lead", "-1"], "expected an integer >= 0"),
+        (["--policy", "fastest"], "invalid choice: 'fastest'"),
+    ],
+)
 def test_bad_values_are_refused_by_the_parser(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         _args(*argv)

@@ -20,9 +20,9 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .ops import Reduction
-from .p2p import recv, send
-from .scratch import scratch
+from ..transport.ops import Reduction
+from ..transport.p2p import recv, send
+from ..transport.scratch import scratch
 
 
 def reduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:

@@ -1,6 +1,6 @@
 """Recursive halving-doubling all-reduce (Rabenseifner's algorithm).
 
-Phases (p' = 2^floor(lg p) participants after :mod:`~collectives.fold`;
+Phases (p' = 2^floor(lg p) participants after :mod:`~collectives.kernels.fold`;
 the vector is split into p' blocks by :func:`chunk_bounds`):
 
 1. reduce-scatter by recursive halving: for mask = p'/2, ..., 1 each
@@ -24,11 +24,11 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .chunks import chunk_bounds
+from ..transport.chunks import chunk_bounds
+from ..transport.exchange import sendrecv_combine
+from ..transport.ops import Reduction
+from ..transport.p2p import sendrecv
 from .fold import fold
-from .exchange import sendrecv_combine
-from .ops import Reduction
-from .p2p import sendrecv
 
 
 def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
@@ -44,7 +44,7 @@ def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
             peer = f.peers[mask.bit_length() - 1]
             mid = (lo + hi) // 2
             (klo, khi), (slo, shi) = ((lo, mid), (mid, hi)) if (me & mask) == 0 else ((mid, hi), (lo, mid))
-            send, keep = x[bounds[slo]:bounds[shi]], x[bounds[klo]:bounds[khi]]
+            send, keep = x[bounds[slo] : bounds[shi]], x[bounds[klo] : bounds[khi]]
             sendrecv_combine(comm, send, peer, keep, peer, red, peer < f.rank, max(send.shape[0], keep.shape[0]))
             lo, hi = klo, khi
             mask >>= 1
@@ -53,7 +53,7 @@ def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
             peer = f.peers[mask.bit_length() - 1]
             width = hi - lo
             plo = lo + width if (me & mask) == 0 else lo - width
-            sendrecv(comm, x[bounds[lo]:bounds[hi]], peer, x[bounds[plo]:bounds[plo + width]], peer)
+            sendrecv(comm, x[bounds[lo] : bounds[hi]], peer, x[bounds[plo] : bounds[plo + width]], peer)
             lo, hi = min(lo, plo), max(hi, plo + width)
             mask <<= 1
     f.fold_out(x, comm)

@@ -1,6 +1,6 @@
 """The stall inspector: a blocked operation is reported, and past a limit the job ends.
 
-Every blocking transfer of the collectives (:mod:`collectives.p2p`) records,
+Every blocking transfer of the collectives (:mod:`collectives.transport.p2p`) records,
 in a per-thread slot, which operation it belongs to, on which communicator,
 and which peers it waits for. A daemon thread looks at the slots once a
 second (or more often for short limits):
@@ -19,7 +19,7 @@ Limits come from ``MPIDL_STALL_WARN`` (default 60 s) and
 ``MPIDL_STALL_ABORT`` (default 0, off, for library use; the ``mpidl``
 commands default to 600 s) or :func:`configure`; 0 switches either off.
 The bookkeeping costs a few attribute writes per message
-(:func:`collectives.p2p.watch`).
+(:func:`collectives.transport.p2p.watch`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Hashable, Optional, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Callable
 
 from mpi4py import MPI
 
@@ -44,11 +45,11 @@ ABORT_GRACE = 1.0
 class Slot:
     """What one thread is blocked on (``since`` is 0.0 when it is not)."""
 
-    __slots__ = ("operation", "comm", "peers", "since", "thread")
+    __slots__ = ("comm", "operation", "peers", "since", "thread")
 
     def __init__(self) -> None:
         self.operation = "a collective operation"
-        self.comm: Optional[MPI.Comm] = None
+        self.comm: MPI.Comm | None = None
         self.peers: Sequence[int] = ()
         self.since = 0.0
         self.thread = threading.current_thread().name
@@ -71,10 +72,10 @@ _reporters: list[Reporter] = []
 _reported: set = set()
 _local = threading.local()
 _lock = threading.Lock()
-_thread: Optional[threading.Thread] = None
+_thread: threading.Thread | None = None
 
 
-def configure(warn: Optional[float] = None, abort: Optional[float] = None, *, keep_env: bool = True) -> None:
+def configure(warn: float | None = None, abort: float | None = None, *, keep_env: bool = True) -> None:
     """Set the limits in seconds (0 = off). With ``keep_env``, a limit set in the
     environment wins over the one given here (the commands pass their defaults
     this way)."""
@@ -123,7 +124,7 @@ def _ensure_thread() -> None:
             _thread.start()
 
 
-def _world_ranks(comm: Optional[MPI.Comm], peers: Sequence[int]) -> list[int]:
+def _world_ranks(comm: MPI.Comm | None, peers: Sequence[int]) -> list[int]:
     if comm is None or comm == MPI.COMM_NULL:
         return list(peers)
     try:
@@ -135,8 +136,10 @@ def _world_ranks(comm: Optional[MPI.Comm], peers: Sequence[int]) -> list[int]:
 def describe(s: Slot, age: float) -> str:
     """The report for a slot blocked for ``age`` seconds."""
     peers = ", ".join(map(str, sorted(set(_world_ranks(s.comm, s.peers))))) or "?"
-    return (f"mpidl: rank {MPI.COMM_WORLD.Get_rank()} ({s.thread}) has waited {age:.0f} s in {s.operation} "
-            f"for rank(s) {peers} of MPI_COMM_WORLD")
+    return (
+        f"mpidl: rank {MPI.COMM_WORLD.Get_rank()} ({s.thread}) has waited {age:.0f} s in {s.operation} "
+        f"for rank(s) {peers} of MPI_COMM_WORLD"
+    )
 
 
 def _stalls() -> list[tuple[Hashable, float, str]]:

@@ -25,8 +25,9 @@ from .scratch import scratch
 SEGMENT = 256 << 10
 
 
-def sendrecv_combine(comm: MPI.Comm, send: Any, dest: int, into: Any, source: int, red: Reduction,
-                     src_first: bool, longest: int) -> None:
+def sendrecv_combine(
+    comm: MPI.Comm, send: Any, dest: int, into: Any, source: int, red: Reduction, src_first: bool, longest: int
+) -> None:
     """Send ``send`` to ``dest`` while receiving from ``source`` a block as long as
     ``into`` and combining it into ``into`` (``into <- op(received, into)`` if
     ``src_first``, else ``op(into, received)``).
@@ -41,7 +42,7 @@ def sendrecv_combine(comm: MPI.Comm, send: Any, dest: int, into: Any, source: in
     step = max(1, SEGMENT // into.itemsize) if type(into) is np.ndarray else max(longest, 1)
     tmp = scratch(into, min(step, into.shape[0]))
     for off in range(0, max(longest, 1), step):
-        got = into[off:off + step]
-        buf = tmp[:got.shape[0]]
-        sendrecv(comm, send[off:off + step], dest, buf, source)
+        got = into[off : off + step]
+        buf = tmp[: got.shape[0]]
+        sendrecv(comm, send[off : off + step], dest, buf, source)
         red.combine(got, buf, src_first)

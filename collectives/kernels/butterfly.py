@@ -1,6 +1,6 @@
 """Butterfly all-reduce (recursive doubling).
 
-Phases (p' = 2^floor(lg p) participants after :mod:`~collectives.fold`):
+Phases (p' = 2^floor(lg p) participants after :mod:`~collectives.kernels.fold`):
 for mask = 1, 2, 4, ..., p'/2 each participant exchanges its whole vector with
 participant ``newrank XOR mask`` and combines, lower rank's operand first, so
 both partners compute bitwise the same value. Extra ranks are folded in first
@@ -21,9 +21,9 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ..transport.exchange import sendrecv_combine
+from ..transport.ops import Reduction
 from .fold import fold
-from .exchange import sendrecv_combine
-from .ops import Reduction
 
 
 def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:

@@ -40,7 +40,7 @@ the same :class:`ArgumentError` naming the broken edges, before any data
 moved. Without validation an inconsistent graph hangs or mismatches messages.
 
 Device buffers (CuPy arrays, CUDA tensors) are mixed on the device; messages
-take the device transport (:mod:`collectives.gpu`).
+take the device transport (:mod:`collectives.transport.gpu`).
 
 Not thread-safe on one communicator: two threads mixing over the same
 communicator at once would receive each other's messages.
@@ -48,18 +48,20 @@ communicator at once would receive each other's messages.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from . import gpu, p2p, validation
-from .buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code
-from .context import Context, context
-from .errors import ArgumentError
-from .ops import narrow, widen
-from .p2p import irecv, isend, waitall
-from .scratch import scratch
+from .. import validation
+from ..errors import ArgumentError
+from ..transport import gpu, p2p
+from ..transport.buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, dtype_code
+from ..transport.context import Context, context
+from ..transport.ops import narrow, widen
+from ..transport.p2p import irecv, isend, waitall
+from ..transport.scratch import scratch
 
 #: Scratch slots used here: a float32 accumulator and term (half dtypes), then
 #: one receive buffer per in-neighbor.
@@ -78,10 +80,11 @@ class NeighborWeights:
         destinations: out-neighbors, ascending.
     """
 
-    __slots__ = ("self_weight", "sources", "destinations")
+    __slots__ = ("destinations", "self_weight", "sources")
 
-    def __init__(self, self_weight: float, sources: Mapping[int, float],
-                 destinations: Optional[Sequence[int]] = None) -> None:
+    def __init__(
+        self, self_weight: float, sources: Mapping[int, float], destinations: Sequence[int] | None = None
+    ) -> None:
         """
         Args:
             self_weight: the weight of this rank's own vector.
@@ -95,19 +98,21 @@ class NeighborWeights:
         self.destinations = tuple(sorted(int(j) for j in ranks))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, NeighborWeights) and all(
-            getattr(self, a) == getattr(other, a) for a in self.__slots__)
+        return isinstance(other, NeighborWeights) and all(getattr(self, a) == getattr(other, a) for a in self.__slots__)
 
     def __hash__(self) -> int:
         return hash((self.self_weight, self.sources, self.destinations))
 
     def __repr__(self) -> str:
-        return (f"NeighborWeights(self_weight={self.self_weight!r}, sources={dict(self.sources)!r}, "
-                f"destinations={list(self.destinations)!r})")
+        return (
+            f"NeighborWeights(self_weight={self.self_weight!r}, sources={dict(self.sources)!r}, "
+            f"destinations={list(self.destinations)!r})"
+        )
 
 
-def neighbor_allreduce(buf: Any, weights: NeighborWeights, comm: Optional[MPI.Comm] = None, *,
-                       validate: Optional[bool] = None) -> Any:
+def neighbor_allreduce(
+    buf: Any, weights: NeighborWeights, comm: MPI.Comm | None = None, *, validate: bool | None = None
+) -> Any:
     """Replace ``buf`` by its weighted average with the in-neighbors' buffers, in place.
 
     Sets ``buf <- w_ii buf + sum_j w_ij buf_j`` (j over ``weights.sources``)
@@ -145,8 +150,7 @@ def neighbor_allreduce(buf: Any, weights: NeighborWeights, comm: Optional[MPI.Co
     return buf
 
 
-def _prepare(buf: Any, weights: NeighborWeights, size: int, rank: int
-             ) -> tuple[FlatBuffer, Optional[ArgumentError]]:
+def _prepare(buf: Any, weights: NeighborWeights, size: int, rank: int) -> tuple[FlatBuffer, ArgumentError | None]:
     """Resolve the buffer and check the row locally; a problem is returned, not raised."""
     try:
         if not isinstance(weights, NeighborWeights):
@@ -170,8 +174,7 @@ def _prepare(buf: Any, weights: NeighborWeights, size: int, rank: int
         return None, exc  # type: ignore[return-value]
 
 
-def _check(ctx: Context, weights: NeighborWeights, flat: Optional[FlatBuffer],
-           problem: Optional[ArgumentError]) -> None:
+def _check(ctx: Context, weights: NeighborWeights, flat: FlatBuffer | None, problem: ArgumentError | None) -> None:
     """Raise the same ArgumentError on every rank unless the graph is consistent and
     all ranks agree on length and dtype (collective over ``ctx.comm``)."""
     sends, senders = ctx.cache.get("neighbor-check", (None, None))

@@ -23,10 +23,10 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .chunks import chunk_bounds
-from .exchange import sendrecv_combine
-from .ops import Reduction
-from .p2p import sendrecv
+from ..transport.chunks import chunk_bounds
+from ..transport.exchange import sendrecv_combine
+from ..transport.ops import Reduction
+from ..transport.p2p import sendrecv
 
 
 def reduce_scatter(x: Any, comm: MPI.Comm, red: Reduction) -> None:
@@ -43,8 +43,16 @@ def reduce_scatter(x: Any, comm: MPI.Comm, red: Reduction) -> None:
     longest = -(-x.shape[0] // p)
     for s in range(p - 1):
         out_c, in_c = (r - s - 1) % p, (r - s - 2) % p
-        sendrecv_combine(comm, x[bounds[out_c]:bounds[out_c + 1]], right,
-                         x[bounds[in_c]:bounds[in_c + 1]], left, red, True, longest)
+        sendrecv_combine(
+            comm,
+            x[bounds[out_c] : bounds[out_c + 1]],
+            right,
+            x[bounds[in_c] : bounds[in_c + 1]],
+            left,
+            red,
+            True,
+            longest,
+        )
 
 
 def allgather(x: Any, comm: MPI.Comm) -> None:
@@ -56,8 +64,7 @@ def allgather(x: Any, comm: MPI.Comm) -> None:
     right, left = (r + 1) % p, (r - 1) % p
     for s in range(p - 1):
         out_c, in_c = (r - s) % p, (r - s - 1) % p
-        sendrecv(comm, x[bounds[out_c]:bounds[out_c + 1]], right,
-                 x[bounds[in_c]:bounds[in_c + 1]], left)
+        sendrecv(comm, x[bounds[out_c] : bounds[out_c + 1]], right, x[bounds[in_c] : bounds[in_c + 1]], left)
 
 
 def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:

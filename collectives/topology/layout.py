@@ -8,21 +8,23 @@ many consecutive ranks, the last possibly smaller) or a comma-separated list
 of node sizes ("3,1"). Nodes are numbered by their lowest rank.
 
 The detected layout is computed once per communicator (on its private
-duplicate) and cached on its :class:`~collectives.context.Context`;
+duplicate) and cached on its :class:`~collectives.transport.context.Context`;
 :func:`detected` gives it without any override, for what needs real shared
-memory (:mod:`collectives.shm`).
+memory (:mod:`collectives.kernels.shm`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 from mpi4py import MPI
 
-from .context import Context, context
-from .errors import ArgumentError
+from ..errors import ArgumentError
+from ..transport.context import Context, context
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -73,8 +75,9 @@ def layout(comm: MPI.Comm, ranks_per_node: RanksPerNode = None) -> Layout:
     size = comm.Get_size()
     if isinstance(ranks_per_node, Layout):
         if len(ranks_per_node.node_of) != size:
-            raise ArgumentError(f"layout {ranks_per_node} has {len(ranks_per_node.node_of)} ranks, "
-                                f"the communicator {size}")
+            raise ArgumentError(
+                f"layout {ranks_per_node} has {len(ranks_per_node.node_of)} ranks, the communicator {size}"
+            )
         return ranks_per_node
     spec = ranks_per_node if ranks_per_node is not None else os.environ.get("MPIDL_RANKS_PER_NODE") or None
     if spec is not None:
@@ -110,7 +113,8 @@ def _emulated(spec: RanksPerNode, size: int) -> Layout:
     if not counts or min(counts) < 1 or sum(counts) != size:
         raise ArgumentError(
             f"invalid ranks-per-node layout {spec!r} for {size} rank(s): give one positive "
-            f"number (nodes of that many consecutive ranks) or node sizes adding up to {size}")
+            f"number (nodes of that many consecutive ranks) or node sizes adding up to {size}"
+        )
     return Layout(tuple(i for i, c in enumerate(counts) for _ in range(c)))
 
 

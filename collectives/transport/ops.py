@@ -17,13 +17,13 @@ float32 accumulator, for computations (weighted sums) that should round once.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any, Callable
 
 import numpy as np
 
+from ..errors import ArgumentError
 from .buffers import FLOAT_DTYPES, array_module
-from .errors import ArgumentError
 
 #: Operation names every collective accepts.
 OPS = ("sum", "avg", "min", "max", "prod")
@@ -69,7 +69,7 @@ class Reduction:
             self._divide(buf, nranks, out=buf)
 
 
-@lru_cache(maxsize=None)
+@cache
 def reduction(op: str, dtype: str, xp: Any = np) -> Reduction:
     """The cached :class:`Reduction` for ``op`` on ``dtype`` with array module ``xp``.
 
@@ -127,8 +127,9 @@ def _bfloat16_ufunc(name: str) -> Callable[..., None]:
     """
     import torch
 
-    op = getattr(torch, {"add": "add", "minimum": "minimum", "maximum": "maximum",
-                         "multiply": "mul", "divide": "div"}[name])
+    op = getattr(
+        torch, {"add": "add", "minimum": "minimum", "maximum": "maximum", "multiply": "mul", "divide": "div"}[name]
+    )
 
     def apply(a: Any, b: Any, out: Any) -> None:
         op(_bfloat16_view(a), b if isinstance(b, (int, float)) else _bfloat16_view(b), out=_bfloat16_view(out))

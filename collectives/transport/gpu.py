@@ -35,14 +35,14 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import ArgumentError
 from . import buffers, p2p
 from .buffers import FlatBuffer
-from .errors import ArgumentError
 from .scratch import scratch
 
 _STAGE = 8  # scratch slot of :func:`on_host`
@@ -65,8 +65,9 @@ PATH = Path()
 
 # --- buffers ------------------------------------------------------------------
 
-def _from_device(buf: Any) -> Optional[FlatBuffer]:
-    """The device-buffer adapter registered with :mod:`collectives.buffers`."""
+
+def _from_device(buf: Any) -> FlatBuffer | None:
+    """The device-buffer adapter registered with :mod:`collectives.transport.buffers`."""
     module = type(buf).__module__
     if module.startswith("cupy"):
         return _from_cupy(buf, buf)
@@ -103,6 +104,7 @@ buffers.DEVICE_ADAPTERS.append(_from_device)
 
 
 # --- transport ----------------------------------------------------------------
+
 
 def _sync() -> None:
     import cupy
@@ -179,13 +181,13 @@ class _Staged:
         comm.Recv([into, MPI.BYTE], source, p2p.TAG)
         self._to_device(into, buf)
 
-    def isend(self, comm: MPI.Comm, buf: Any, dest: int) -> "_StagedPending":
+    def isend(self, comm: MPI.Comm, buf: Any, dest: int) -> _StagedPending:
         host = self._take(buf.nbytes)
         _sync()
         buf.view(np.uint8).get(out=host)
         return _StagedPending(self, comm.Isend([host, MPI.BYTE], dest, p2p.TAG), host)
 
-    def irecv(self, comm: MPI.Comm, buf: Any, source: int) -> "_StagedPending":
+    def irecv(self, comm: MPI.Comm, buf: Any, source: int) -> _StagedPending:
         host = self._take(buf.nbytes)
         return _StagedPending(self, comm.Irecv([host, MPI.BYTE], source, p2p.TAG), host, buf)
 
@@ -242,11 +244,12 @@ def _install(mode: str) -> None:
 
 # --- detection ----------------------------------------------------------------
 
-def query_cuda_support() -> Optional[bool]:
+
+def query_cuda_support() -> bool | None:
     """What the MPI library says (``MPIX_Query_cuda_support``), or None if it has no such call."""
     for path in _loaded_mpi_libraries():
         try:
-            fn = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+            fn = ctypes.CDLL(path).MPIX_Query_cuda_support
         except (OSError, AttributeError):
             continue
         fn.restype = ctypes.c_int
@@ -293,8 +296,11 @@ def configure(comm: MPI.Comm) -> Path:
         passed = _probe(comm)
         ok = bool(comm.allreduce(passed, op=MPI.LAND))
         said = {None: "the library has no MPIX_Query_cuda_support", True: "MPIX_Query_cuda_support() = 1"}[claims]
-        why = (f"{said}; confirmed by a device send/receive and all-reduce" if ok else
-               f"{said}, but the device-buffer probe failed on some rank")
+        why = (
+            f"{said}; confirmed by a device send/receive and all-reduce"
+            if ok
+            else f"{said}, but the device-buffer probe failed on some rank"
+        )
     ok = bool(comm.allreduce(ok, op=MPI.LAND))
     _install("direct" if ok else "staged")
     PATH.reason, PATH.probed = why if ok else f"{why}; staging through pinned host memory", True
@@ -316,8 +322,9 @@ def _probe(comm: MPI.Comm) -> bool:
         total = cupy.zeros(4, dtype=cupy.int32)
         comm.Allreduce([send, MPI.INT], [total, MPI.INT], op=MPI.SUM)
         expected_total = np.arange(4) * size + size * (size - 1) // 2
-        return (bool((recv.get() == np.arange(4) + (rank - 1) % size).all())
-                and bool((total.get() == expected_total).all()))
+        return bool((recv.get() == np.arange(4) + (rank - 1) % size).all()) and bool(
+            (total.get() == expected_total).all()
+        )
     except Exception:  # an MPI error or a CUDA error: either way, not usable
         return False
 
@@ -325,7 +332,7 @@ def _probe(comm: MPI.Comm) -> bool:
 def on_host(x: Any, fn: Callable[[np.ndarray], None]) -> None:
     """Run ``fn`` on a host copy of the device array ``x`` (a reusable per-thread
     buffer), then copy the host array back into ``x``; if ``fn`` raises, ``x``
-    is untouched. For host-only algorithms (:mod:`collectives.shm`)."""
+    is untouched. For host-only algorithms (:mod:`collectives.kernels.shm`)."""
     host = scratch(np.empty(0, x.dtype), x.shape[0], slot=_STAGE)
     _sync()
     x.get(out=host)

@@ -24,7 +24,7 @@ shm                 b alpha_shm + n beta_shm on one node, s = ceil(n / segment) 
                     (broadcast)
 =================== =====================================================================
 
-alpha_shm and beta_shm describe the shared-memory algorithm (:mod:`collectives.shm`):
+alpha_shm and beta_shm describe the shared-memory algorithm (:mod:`collectives.kernels.shm`):
 alpha_shm is one shared-memory barrier with the per-piece work around it,
 beta_shm the per-byte cost of copying a vector in, reducing it and copying
 the result out, all ranks of a node at once (memory bandwidth is shared).
@@ -43,33 +43,27 @@ algorithm on one node, the butterfly up to the fused limit across nodes) it
 costs nothing, elsewhere one shared-memory barrier (alpha_shm) on one node
 or ceil(lg p) header exchanges across nodes (:func:`check_cost`).
 
-Parameters come from :func:`calibrate` (ping-pong exchanges inside and across
-nodes, a timed reduction, the shared-memory algorithm timed at two sizes),
-can be saved to and loaded from JSON
-(:meth:`Params.save`, :meth:`Params.load`; ``MPIDL_COSTMODEL=FILE`` makes
-``algorithm="auto"`` load a file instead of measuring).
+The model is a pure function of the parameters and the layout: nothing here
+communicates. The parameters are measured by
+:func:`collectives.tuning.calibration.calibrate` (ping-pong exchanges inside
+and across nodes, a timed reduction, the shared-memory algorithm timed at two
+sizes) and can be saved to and loaded from JSON (:meth:`Params.save`,
+:meth:`Params.load`; ``MPIDL_COSTMODEL=FILE`` makes ``algorithm="auto"`` load
+a file instead of measuring).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
-import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable
 
-import numpy as np
-from mpi4py import MPI
-
-from . import shm as _shm
-from .hierarchy import Grid, default_grid
-from .layout import Layout
-from .ops import reduction
-from .validation import FUSE_LIMIT
-
-log = logging.getLogger("collectives.auto")
+from ..kernels import shm as _shm
+from ..topology.hierarchy import Grid, default_grid
+from ..topology.layout import Layout
+from ..validation import FUSE_LIMIT
 
 
 @dataclass
@@ -101,20 +95,23 @@ class Params:
             json.dump(asdict(self), f, indent=1)
 
     @classmethod
-    def load(cls, path: str) -> "Params":
+    def load(cls, path: str) -> Params:
         """Read parameters written by :meth:`save`."""
         with open(path) as f:
             return cls(**json.load(f))
 
     def __str__(self) -> str:
-        return (f"alpha_intra={self.alpha_intra * 1e6:.2f}us beta_intra={self.beta_intra * 1e9:.3f}ns/B "
-                f"alpha_inter={self.alpha_inter * 1e6:.2f}us beta_inter={self.beta_inter * 1e9:.3f}ns/B "
-                f"gamma={self.gamma * 1e9:.3f}ns/B overhead={self.overhead * 1e6:.2f}us "
-                f"alpha_shm={self.alpha_shm * 1e6:.2f}us beta_shm={self.beta_shm * 1e9:.3f}ns/B "
-                f"offset={{{', '.join(f'{k}: {v * 1e6:+.1f}us' for k, v in self.offset.items())}}} ({self.source})")
+        return (
+            f"alpha_intra={self.alpha_intra * 1e6:.2f}us beta_intra={self.beta_intra * 1e9:.3f}ns/B "
+            f"alpha_inter={self.alpha_inter * 1e6:.2f}us beta_inter={self.beta_inter * 1e9:.3f}ns/B "
+            f"gamma={self.gamma * 1e9:.3f}ns/B overhead={self.overhead * 1e6:.2f}us "
+            f"alpha_shm={self.alpha_shm * 1e6:.2f}us beta_shm={self.beta_shm * 1e9:.3f}ns/B "
+            f"offset={{{', '.join(f'{k}: {v * 1e6:+.1f}us' for k, v in self.offset.items())}}} ({self.source})"
+        )
 
 
 # --- the algorithms as steps ------------------------------------------------
+
 
 def _crosses(lay: Layout, pairs) -> bool:
     """Whether any (a, b) exchange of a step crosses nodes."""
@@ -153,12 +150,12 @@ def _xor_pairs(p: int, mask: int) -> list[tuple[int, int]]:
     return [(real(i), real(i ^ mask)) for i in range(pof2) if i < i ^ mask]
 
 
-def ring(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+def ring(prm: Params, lay: Layout, n: float, grid: Grid | None = None) -> float:
     """Predicted seconds of the ring algorithm for ``n`` bytes."""
     return _ring(prm, lay, list(range(len(lay.node_of))), n)
 
 
-def halving_doubling(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+def halving_doubling(prm: Params, lay: Layout, n: float, grid: Grid | None = None) -> float:
     """Predicted seconds of recursive halving-doubling for ``n`` bytes."""
     p = len(lay.node_of)
     pof2, _, _ = _fold(p)
@@ -172,7 +169,7 @@ def halving_doubling(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = 
     return t
 
 
-def butterfly(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+def butterfly(prm: Params, lay: Layout, n: float, grid: Grid | None = None) -> float:
     """Predicted seconds of recursive doubling for ``n`` bytes."""
     p = len(lay.node_of)
     pof2, _, _ = _fold(p)
@@ -197,38 +194,41 @@ def _binomial(prm: Params, lay: Layout, ranks: list[int], n: float) -> tuple[flo
     return red, bcast
 
 
-def reduce_broadcast(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+def reduce_broadcast(prm: Params, lay: Layout, n: float, grid: Grid | None = None) -> float:
     """Predicted seconds of binomial reduce + broadcast for ``n`` bytes."""
     return sum(_binomial(prm, lay, list(range(len(lay.node_of))), n))
 
 
-def hierarchical_ring(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+def hierarchical_ring(prm: Params, lay: Layout, n: float, grid: Grid | None = None) -> float:
     """Predicted seconds of the hierarchical ring for ``n`` bytes (slowest node)."""
     intra = max(sum(_binomial(prm, lay, list(lay.members(k)), n)) for k in range(lay.nodes))
     return intra + _ring(prm, lay, [lay.members(k)[0] for k in range(lay.nodes)], n)
 
 
-def torus2d(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+def torus2d(prm: Params, lay: Layout, n: float, grid: Grid | None = None) -> float:
     """Predicted seconds of the 2D-torus algorithm for ``n`` bytes."""
     x, y = grid or default_grid(lay)
     by_node = set(lay.ranks_per_node) == {x} and (grid is None or tuple(grid) == default_grid(lay))
-    rows = [list(lay.members(k)) for k in range(lay.nodes)] if by_node else \
-        [list(range(r * x, r * x + x)) for r in range(y)]
+    rows = (
+        [list(lay.members(k)) for k in range(lay.nodes)]
+        if by_node
+        else [list(range(r * x, r * x + x)) for r in range(y)]
+    )
     row_t = max(_ring(prm, lay, row, n) for row in rows)
     col_t = max(_ring(prm, lay, [row[i] for row in rows], n / x) for i in range(x))
     return row_t + col_t
 
 
-def _shm_barriers(q: int, n: float) -> tuple[int, int]:
+def shm_barriers(q: int, n: float) -> tuple[int, int]:
     """(pieces, barriers) of a shared-memory reduction of ``n`` bytes on ``q`` ranks."""
     pieces = max(1, math.ceil(n / _shm.SEGMENT))
     return pieces, pieces + (0 if q == 2 or n <= _shm.REPLICATE else 1)
 
 
-def shm(prm: Params, lay: Layout, n: float, grid: Optional[Grid] = None) -> float:
+def shm(prm: Params, lay: Layout, n: float, grid: Grid | None = None) -> float:
     """Predicted seconds of the shared-memory algorithm for ``n`` bytes (the largest node's)."""
     q = max(lay.ranks_per_node)
-    pieces, barriers = _shm_barriers(q, n)
+    pieces, barriers = shm_barriers(q, n)
     intra = barriers * prm.alpha_shm + n * prm.beta_shm if q > 1 else 0.0
     if lay.nodes == 1:
         return intra
@@ -258,8 +258,9 @@ def check_cost(algorithm: str, nbytes: int, lay: Layout, prm: Params) -> float:
     return math.ceil(math.log2(p)) * (prm.alpha_inter + 2 * _shm.HEADER * prm.beta_inter)
 
 
-def predict(algorithm: str, nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None,
-            validate: bool = False) -> float:
+def predict(
+    algorithm: str, nbytes: int, lay: Layout, prm: Params, grid: Grid | None = None, validate: bool = False
+) -> float:
     """Predicted seconds of one all-reduce of ``nbytes`` with ``algorithm`` (with
     the argument check if ``validate``)."""
     if len(lay.node_of) == 1:
@@ -281,8 +282,14 @@ class Choice:
         return self.reason
 
 
-def choose(nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None,
-           candidates: Iterable[str] = MODELS, validate: bool = False) -> Choice:
+def choose(
+    nbytes: int,
+    lay: Layout,
+    prm: Params,
+    grid: Grid | None = None,
+    candidates: Iterable[str] = MODELS,
+    validate: bool = False,
+) -> Choice:
     """The algorithm among ``candidates`` with the least predicted time for ``nbytes``
     on ``lay`` (with the argument check if ``validate``)."""
     preds = {name: predict(name, nbytes, lay, prm, grid, validate) for name in candidates}
@@ -290,176 +297,13 @@ def choose(nbytes: int, lay: Layout, prm: Params, grid: Optional[Grid] = None,
     best = ranked[0]
     runner = f", next {ranked[1]} {preds[ranked[1]] * 1e6:.1f} us" if len(ranked) > 1 else ""
     checked = "checked" if validate else "unchecked"
-    reason = (f"auto: {best} for {nbytes} B on {len(lay.node_of)} ranks ({lay}), {checked}: predicted "
-              f"{preds[best] * 1e6:.1f} us, the least of {len(preds)}{runner}; {prm}")
+    reason = (
+        f"auto: {best} for {nbytes} B on {len(lay.node_of)} ranks ({lay}), {checked}: predicted "
+        f"{preds[best] * 1e6:.1f} us, the least of {len(preds)}{runner}; {prm}"
+    )
     return Choice(best, nbytes, {k: preds[k] for k in ranked}, reason)
-
-
-# --- calibration --------------------------------------------------------------
-
-_SMALL, _LARGE = 8, 16 << 20
-
-
-def calibrate(comm: MPI.Comm, lay: Layout, repeat: int = 15, xp: Any = np) -> Params:
-    """Measure the parameters on ``comm`` (collective; about a second).
-
-    Every timing is repeated and the least kept: on a busy machine the least
-    is the one that other processes disturbed least.
-
-    alpha, beta and gamma come from timed exchanges (both ranks send at once,
-    as the algorithms do) between two ranks of one node and between the first
-    ranks of two nodes: alpha is one 8-byte step as the algorithms take it
-    (send, receive and combine, the Python around the message included, as
-    alpha_shm includes it), beta the slope between plain 8 B and 16 MiB
-    exchanges, gamma what a 16 MiB reducing step (received in segments and
-    combined, :func:`collectives.exchange.sendrecv_combine`) costs per byte
-    beyond a plain exchange (inside a node if it has two ranks); overhead
-    from an unchecked all-reduce of an empty buffer; alpha_shm and beta_shm
-    from the shared-memory algorithm on 8 B and 16 MiB, every node at once
-    (host buffers only: it does not run on device buffers); ``fixed`` from
-    each message-passing algorithm run on 8 B of host memory, what it takes
-    minus its model's prediction (device buffers: not measured). Parameters
-    that the layout cannot measure (no two ranks on one node, or one node)
-    are taken from the other link class, or the defaults. ``xp`` = cupy
-    measures device buffers (through the device transport in use), whose
-    costs differ from host memory's by orders of magnitude.
-    """
-    from . import api
-    from .context import context
-    from .exchange import sendrecv_combine
-    from .p2p import sendrecv
-
-    user, ctx = comm, context(comm)
-    comm = ctx.comm
-    if xp is not np:
-        from . import gpu
-
-        gpu.configure(comm)  # the device transport the algorithms will use (collective)
-    rank = comm.Get_rank()
-    intra = next(((m[0], m[1]) for m in map(lay.members, range(lay.nodes)) if len(m) > 1), None)
-    inter = (lay.members(0)[0], lay.members(1)[0]) if lay.nodes > 1 else None
-    a = xp.zeros(_LARGE, np.uint8)
-    b = xp.zeros(_LARGE, np.uint8)
-    floats = a.view(np.float32)
-    add = reduction("sum", "float32", xp)
-
-    def combining(n: int) -> Callable[[int], None]:
-        return lambda peer: sendrecv_combine(comm, floats[:n], peer, floats[:n], peer, add, peer < rank, n)
-
-    def exchange(pair: Optional[tuple[int, int]]) -> Optional[tuple[float, float, float]]:
-        kinds = {"step": combining(_SMALL // 4), "reduce": combining(_LARGE // 4),
-                 "small": lambda peer: sendrecv(comm, a[:_SMALL], peer, b[:_SMALL], peer),
-                 "large": lambda peer: sendrecv(comm, a, peer, b, peer)}
-        times = {}
-        for kind, run in kinds.items():
-            samples = []
-            for _ in range(repeat):
-                comm.Barrier()
-                if pair is not None and rank in pair:
-                    t0 = time.perf_counter()
-                    run(pair[1] if rank == pair[0] else pair[0])
-                    samples.append(time.perf_counter() - t0)
-            times[kind] = min(samples) if samples else 0.0
-        if pair is None:
-            return None
-        t = comm.bcast(times if rank == pair[0] else None, root=pair[0])
-        moved = t["large"] - t["small"]
-        return (t["step"], max(moved / (_LARGE - _SMALL), 1e-13),
-                max((t["reduce"] - t["step"] - moved) / (_LARGE - _SMALL), 1e-13))
-
-    def shared_memory() -> Optional[tuple[float, float]]:
-        seg = _shm.node_segment(ctx, lay) if xp is np and _shm.capable(ctx, lay) else None
-        red = reduction("sum", "float32")
-        times = []
-        for nbytes in (_SMALL, _LARGE):
-            v = np.zeros(nbytes // 4, np.float32)
-            if seg is not None:
-                _shm.allreduce(v, seg, red)  # warm-up: the segment's pages are touched
-            samples = []
-            for _ in range(repeat):
-                comm.Barrier()
-                t0 = time.perf_counter()
-                if seg is not None:
-                    _shm.allreduce(v, seg, red)
-                samples.append(time.perf_counter() - t0)
-            times.append(comm.allreduce(min(samples) if seg is not None else 0.0, op=MPI.MAX))
-        if not times[0]:
-            return None
-        q = max(lay.ranks_per_node)
-        alpha = times[0] / _shm_barriers(q, _SMALL)[1]
-        return alpha, max((times[1] - _shm_barriers(q, _LARGE)[1] * alpha) / _LARGE, 1e-13)
-
-    measured_intra = exchange(intra)
-    measured_inter = exchange(inter)
-    measured_shm = shared_memory()
-    empty = np.zeros(0, np.float32)
-    samples = []
-    for _ in range(repeat):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        api.allreduce(empty, user, algorithm="ring", validate=False)
-        samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    overhead = min(samples)
-    defaults = Params()
-    ai, bi, gamma = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra, defaults.gamma)
-    ae, be, _ = measured_inter or (ai, bi, gamma)
-    a_shm, b_shm = measured_shm or (defaults.alpha_shm, defaults.beta_shm)
-    stamp = time.strftime("%Y-%m-%d %H:%M")
-    memory = "host" if xp is np else "device"
-    prm = Params(ai, bi, ae, be, gamma, overhead, a_shm, b_shm,
-                 source=f"calibrated {stamp} on {comm.Get_size()} ranks, {lay}, {memory} buffers")
-    if xp is np and comm.Get_size() > 1:
-        prm.offset = _offsets(user, lay, prm)
-    return prm
-
-
-def _offsets(comm: MPI.Comm, lay: Layout, prm: Params, batches: int = 7, calls: int = 40) -> dict[str, float]:
-    """Each message-passing algorithm's time per call on 8 B of host memory (unchecked,
-    the least of ``batches`` barrier-aligned batches of ``calls`` calls, the slowest
-    rank's) minus what its model predicts with ``prm`` (collective: plans are built)."""
-    from . import api
-    from .context import context
-
-    x, add = np.zeros(_SMALL // 4, np.float32), reduction("sum", "float32")
-    offsets = {}
-    for name in MODELS:
-        if name == "shm":  # its parameters are fitted to its own runs
-            continue
-        run = api.ALGORITHMS[name](api.Request(comm, context(comm), lay, None))
-        run(x, add)
-        samples = []
-        for _ in range(batches):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                run(x, add)
-            samples.append(comm.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX))
-        offsets[name] = min(samples) - MODELS[name](prm, lay, float(_SMALL), None)
-    return offsets
-
-
-def params_for(comm: MPI.Comm, lay: Layout, cache: dict, xp: Any = np) -> Params:
-    """The parameters ``auto`` uses on ``comm`` for buffers of array module ``xp``:
-    for host buffers the file named by ``MPIDL_COSTMODEL`` if it exists, else
-    measured once (collective), cached, and written to that file if named;
-    for device buffers measured once and cached."""
-    key = ("costmodel", xp.__name__)
-    prm = cache.get(key)
-    if prm is None:
-        path = os.environ.get("MPIDL_COSTMODEL") if xp is np else None
-        if path and os.path.exists(path):
-            prm = Params.load(path)
-        else:
-            prm = calibrate(comm, lay, xp=xp)
-            log.debug("calibrated cost model: %s", prm)
-            if path and comm.Get_rank() == 0:
-                prm.save(path)
-        cache[key] = prm
-    return prm
 
 
 def model_bound(nbytes: int, p: int, beta: float) -> float:
     """The bandwidth lower bound 2 (p-1)/p * nbytes * beta (Patarasuk & Yuan 2009)."""
     return 2 * (p - 1) / p * nbytes * beta if p > 1 else 0.0
-
-

@@ -2,7 +2,8 @@
 
 The all-reduce kernels use only ``Get_rank``, ``Get_size`` and the blocking
 point-to-point calls ``Sendrecv``/``Send``/``Recv`` (through
-:mod:`collectives.p2p`; the stall inspector also asks for ``Get_group``). :class:`GroupComm` offers exactly those on a subset
+:mod:`collectives.transport.p2p`; the stall inspector also asks for
+``Get_group``). :class:`GroupComm` offers exactly those on a subset
 of a parent communicator, translating group ranks to parent ranks, so every
 kernel runs unchanged among the members of a P-Reduce group. Creating one is
 a few Python attribute stores: no ``MPI_Comm_create``/``Split`` (which are
@@ -15,11 +16,12 @@ messages between a pair in order on one communicator and tag).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mpi4py import MPI
 
-from .errors import ArgumentError
+from ..errors import ArgumentError
 
 
 class GroupComm:
@@ -30,7 +32,7 @@ class GroupComm:
     the group).
     """
 
-    __slots__ = ("comm", "members", "_rank")
+    __slots__ = ("_rank", "comm", "members")
 
     def __init__(self, comm: MPI.Comm, members: Sequence[int]) -> None:
         self.comm = comm
@@ -40,24 +42,31 @@ class GroupComm:
             raise ArgumentError(f"rank {me} is not a member of the group {self.members}")
         self._rank = self.members.index(me)
 
-    def Get_rank(self) -> int:  # noqa: N802 (mpi4py's names)
+    def Get_rank(self) -> int:
         return self._rank
 
-    def Get_size(self) -> int:  # noqa: N802
+    def Get_size(self) -> int:
         return len(self.members)
 
-    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,  # noqa: N802
-                 source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG, status: Any = None) -> None:
+    def Sendrecv(
+        self,
+        sendbuf: Any,
+        dest: int,
+        sendtag: int = 0,
+        recvbuf: Any = None,
+        source: int = MPI.ANY_SOURCE,
+        recvtag: int = MPI.ANY_TAG,
+        status: Any = None,
+    ) -> None:
         self.comm.Sendrecv(sendbuf, self._parent(dest), sendtag, recvbuf, self._parent(source), recvtag, status)
 
-    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:  # noqa: N802
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
         self.comm.Send(buf, self._parent(dest), tag)
 
-    def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,  # noqa: N802
-             status: Any = None) -> None:
+    def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: Any = None) -> None:
         self.comm.Recv(buf, self._parent(source), tag, status)
 
-    def Get_group(self) -> MPI.Group:  # noqa: N802 (for translating ranks in reports)
+    def Get_group(self) -> MPI.Group:
         return self.comm.Get_group().Incl(list(self.members))
 
     def _parent(self, rank: int) -> int:

@@ -4,8 +4,8 @@ Phases (q ranks on the largest node, m nodes; the leader is each node's
 lowest rank):
 
 1. intra-node binomial reduce to the leader
-   (:func:`collectives.reduce_broadcast.reduce` on the node communicator);
-2. ring all-reduce among the m leaders (:mod:`collectives.ring`);
+   (:func:`collectives.kernels.reduce_broadcast.reduce` on the node communicator);
+2. ring all-reduce among the m leaders (:mod:`collectives.kernels.ring`);
 3. intra-node binomial broadcast from the leader.
 
 Cost: 2 ceil(lg q) (alpha_intra + n beta_intra) + ceil(lg q) n gamma
@@ -22,8 +22,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ..transport.ops import Reduction
 from . import reduce_broadcast, ring
-from .ops import Reduction
 
 
 def allreduce(x: Any, node: MPI.Comm, leaders: MPI.Comm, red: Reduction) -> None:

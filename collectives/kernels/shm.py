@@ -19,7 +19,7 @@ cache. Phases for piece k (q ranks on the node):
      vector, which the copy-in left in cache (measured 1.2-1.9x faster from
      1 to 64 MiB than reading both slots).
    * sliced (otherwise): rank i combines slice i (of q, by
-     :func:`~collectives.chunks.chunk_bounds`) of all q input slots, in rank
+     :func:`~collectives.transport.chunks.chunk_bounds`) of all q input slots, in rank
      order, into slice i of the result slot; after the next piece's barrier
      (or a last one) every rank copies the whole result slot into its
      vector. s + 1 barriers for s pieces; each rank reads about one piece.
@@ -32,7 +32,7 @@ barrier and reads all headers after it (:meth:`Segment.post`,
 
 Across nodes (:func:`hierarchical`): the node's sum is reduced this way onto
 the node leader only, the leaders run a ring all-reduce
-(:mod:`collectives.ring`), and each leader broadcasts through the segment
+(:mod:`collectives.kernels.ring`), and each leader broadcasts through the segment
 (one barrier per piece).
 
 Cost on one node, s = ceil(n / SEGMENT) pieces, b = s barriers replicated or
@@ -50,7 +50,7 @@ orders the data writes before the counter and the reads after it. A buffer is
 written again only two pieces later, after a barrier every rank reaches only
 once it has finished reading it. A waiting rank spins briefly, then yields
 the core (oversubscribed nodes), and is watched by the stall inspector
-(:mod:`collectives.watchdog`).
+(:mod:`collectives.transport.watchdog`).
 
 Reference: MPI-3.1 section 11.2.3 (shared-memory windows) and 11.7
 (the unified memory model); Li, Hoefler & Snir, "NUMA-aware shared-memory
@@ -62,17 +62,18 @@ reductions); Jain et al., "Optimizing MPI Collectives with Shared Memory",
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
-from . import p2p, ring
-from .chunks import chunk_bounds
-from .context import Context
-from .hierarchy import node_comms
-from .layout import Layout, detected
-from .ops import Reduction
+from ..topology.hierarchy import node_comms
+from ..topology.layout import Layout, detected
+from ..transport import p2p
+from ..transport.chunks import chunk_bounds
+from ..transport.context import Context
+from ..transport.ops import Reduction
+from . import ring
 
 #: Bytes of the vector one buffer holds per rank (the size of a piece).
 SEGMENT = 1 << 20
@@ -102,7 +103,7 @@ class Segment:
     Only one thread may use a segment at a time, as with any communicator.
     """
 
-    def __init__(self, comm: MPI.Comm, capacity: Optional[int] = None) -> None:
+    def __init__(self, comm: MPI.Comm, capacity: int | None = None) -> None:
         self.comm = comm
         self.size = q = comm.Get_size()
         self.rank = me = comm.Get_rank()
@@ -111,10 +112,10 @@ class Segment:
         self._win = MPI.Win.Allocate_shared(control + 2 * (q + 1) * capacity if me == 0 else 0, 1, comm=comm)
         self._raw = np.frombuffer(self._win.Shared_query(0)[0], np.uint8)
         self._win.Lock_all(MPI.MODE_NOCHECK)
-        self._counters = memoryview(self._raw[:q * _LINE]).cast("q")
+        self._counters = memoryview(self._raw[: q * _LINE]).cast("q")
         self._mine = me * _LINE // 8
         self._peers = tuple(i * _LINE // 8 for i in range(q) if i != me)
-        self._headers = memoryview(self._raw[q * _LINE:q * _LINE + 2 * q * HEADER])
+        self._headers = memoryview(self._raw[q * _LINE : q * _LINE + 2 * q * HEADER])
         self._row = 0
         self._data = control
         self._count = 0
@@ -153,13 +154,13 @@ class Segment:
         posts one per check; peers read it after the next barrier)."""
         self._row ^= 1
         start = (self._row * self.size + self.rank) * HEADER
-        self._headers[start:start + HEADER] = header
+        self._headers[start : start + HEADER] = header
 
     def headers(self) -> bytes:
         """Every rank's last posted header, in rank order."""
-        return self._headers[self._row * self.size * HEADER:(self._row + 1) * self.size * HEADER].tobytes()
+        return self._headers[self._row * self.size * HEADER : (self._row + 1) * self.size * HEADER].tobytes()
 
-    def views(self, count: int, dtype: np.dtype) -> "_Views":
+    def views(self, count: int, dtype: np.dtype) -> _Views:
         """The current buffer's slots as ``count`` elements of ``dtype``, and flip to
         the other buffer for the next piece."""
         key = (self._turn, count, dtype)
@@ -186,13 +187,15 @@ class _Views:
     input slot, this rank's slice of every input slot, its slice of the result
     slot, and the whole result slot."""
 
-    __slots__ = ("mine", "inputs", "slices", "out", "result")
+    __slots__ = ("inputs", "mine", "out", "result", "slices")
 
     def __init__(self, seg: Segment, turn: int, count: int, dtype: np.dtype) -> None:
         nbytes = count * dtype.itemsize
         base = seg._data + turn * (seg.size + 1) * seg.capacity
-        slots = [seg._raw[base + i * seg.capacity:base + i * seg.capacity + nbytes].view(dtype)
-                 for i in range(seg.size + 1)]
+        slots = [
+            seg._raw[base + i * seg.capacity : base + i * seg.capacity + nbytes].view(dtype)
+            for i in range(seg.size + 1)
+        ]
         bounds = chunk_bounds(count, seg.size)
         lo, hi = bounds[seg.rank], bounds[seg.rank + 1]
         self.mine = slots[seg.rank]
@@ -202,7 +205,7 @@ class _Views:
         self.result = slots[-1]
 
 
-def allreduce(x: Any, seg: Segment, red: Reduction, check: Optional[Check] = None, root_only: bool = False) -> None:
+def allreduce(x: Any, seg: Segment, red: Reduction, check: Check | None = None, root_only: bool = False) -> None:
     """Reduce the host array ``x`` in place over the ranks of ``seg``'s node.
 
     Args:
@@ -219,13 +222,13 @@ def allreduce(x: Any, seg: Segment, red: Reduction, check: Optional[Check] = Non
             return
         step = seg.capacity // x.itemsize
         for off in range(0, x.shape[0], step):
-            _replicated(x[off:off + step], seg, red, check, receives)
+            _replicated(x[off : off + step], seg, red, check, receives)
             check = None
     else:
         _sliced(x, seg, red, check, receives)
 
 
-def _replicated(part: np.ndarray, seg: Segment, red: Reduction, check: Optional[Check], receives: bool) -> None:
+def _replicated(part: np.ndarray, seg: Segment, red: Reduction, check: Check | None, receives: bool) -> None:
     """One piece, replicated: copy in, barrier, every receiving rank folds all input slots
     into ``part``; on two ranks, ``part`` itself (still in cache) stands for the own slot."""
     v = seg.views(part.shape[0], part.dtype)
@@ -241,14 +244,14 @@ def _replicated(part: np.ndarray, seg: Segment, red: Reduction, check: Optional[
         red.fold(part, v.inputs)
 
 
-def _sliced(x: np.ndarray, seg: Segment, red: Reduction, check: Optional[Check], receives: bool) -> None:
+def _sliced(x: np.ndarray, seg: Segment, red: Reduction, check: Check | None, receives: bool) -> None:
     """All pieces, sliced: each rank folds its slice into the result slot; the result
     of piece k is copied out after piece k + 1's barrier (or a last one)."""
     step = seg.capacity // x.itemsize
     n = x.shape[0]
     pending = None
     for off in range(0, n, step):
-        part = x[off:off + step] if n > step else x
+        part = x[off : off + step] if n > step else x
         v = seg.views(part.shape[0], part.dtype)
         v.mine[:] = part
         seg.barrier()
@@ -272,7 +275,7 @@ def broadcast(x: Any, seg: Segment) -> None:
     if root:
         p2p.count_sent(x.nbytes)
     for off in range(0, n, step):
-        part = x[off:off + step] if n > step else x
+        part = x[off : off + step] if n > step else x
         v = seg.views(part.shape[0], part.dtype)
         if root:
             v.result[:] = part
@@ -281,7 +284,7 @@ def broadcast(x: Any, seg: Segment) -> None:
             part[:] = v.result
 
 
-def hierarchical(x: Any, seg: Optional[Segment], leaders: MPI.Comm, red: Reduction) -> None:
+def hierarchical(x: Any, seg: Segment | None, leaders: MPI.Comm, red: Reduction) -> None:
     """Reduce the host array ``x`` in place over several nodes: shared-memory
     reduce onto each node's leader, ring all-reduce among the leaders
     (``leaders``; COMM_NULL on other ranks), shared-memory broadcast.
@@ -294,7 +297,7 @@ def hierarchical(x: Any, seg: Optional[Segment], leaders: MPI.Comm, red: Reducti
         broadcast(x, seg)
 
 
-def shared(ctx: Context) -> Optional[Segment]:
+def shared(ctx: Context) -> Segment | None:
     """The segment of all of ``ctx``'s ranks if there are several and they share
     one node's memory, else None (collective on first use: it detects and allocates)."""
     found = ctx.cache.get("shm", False)
@@ -310,7 +313,7 @@ def capable(ctx: Context, lay: Layout) -> bool:
     return all(len({real[r] for r in lay.members(k)}) == 1 for k in range(lay.nodes))
 
 
-def node_segment(ctx: Context, lay: Layout) -> Optional[Segment]:
+def node_segment(ctx: Context, lay: Layout) -> Segment | None:
     """The segment of this rank's node in ``lay``, None on a node of one rank
     (collective on first use; the layout must be :func:`capable`)."""
     if lay.nodes == 1:

@@ -1,7 +1,7 @@
 """Point-to-point transfers of 1-D arrays, the only way the algorithms move data.
 
 Arrays travel as raw bytes (``MPI.BYTE``): every reduction is done by
-:mod:`collectives.ops`, so MPI never needs to know the element type, and
+:mod:`collectives.transport.ops`, so MPI never needs to know the element type, and
 float16/bfloat16 need no MPI datatype. Host (numpy) arrays go to MPI directly;
 other arrays go through the transport registered for their type in
 :data:`DEVICE_TRANSPORTS` (device memory: direct GPU-aware MPI or staging).
@@ -24,10 +24,10 @@ default), which would add up to that to every reply; :func:`prompt_threads`
 lowers the interval, and every service thread calls it when it starts.
 
 Every blocking call marks the thread as waiting on its peers for the stall
-inspector (:mod:`collectives.watchdog`). Every payload byte sent through this
+inspector (:mod:`collectives.transport.watchdog`). Every payload byte sent through this
 module is counted per thread
 (:func:`bytes_sent`), so training algorithms can report their traffic exactly.
-The shared-memory all-reduce (:mod:`collectives.shm`) counts the bytes each
+The shared-memory all-reduce (:mod:`collectives.kernels.shm`) counts the bytes each
 rank copies into the shared segment for its peers (:func:`count_sent`). The
 argument check's messages (:mod:`collectives.validation`), and the small
 butterfly all-reduces that ride in them, bypass this module and are not
@@ -40,7 +40,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Iterable, Optional, Protocol, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -76,7 +77,7 @@ DEVICE_TRANSPORTS: dict[type, Transport] = {}
 
 class _Sent(threading.local):
     total = 0
-    slot: Optional[watchdog.Slot] = None
+    slot: watchdog.Slot | None = None
 
 
 _sent = _Sent()
@@ -164,8 +165,9 @@ def irecv(comm: MPI.Comm, buf: Any, source: int) -> Pending:
     return DEVICE_TRANSPORTS[type(buf)].irecv(comm, buf, source)
 
 
-def waitall(pending: Iterable[Pending], comm: Optional[MPI.Comm] = None, peers: tuple[int, ...] = (), *,
-            poll: bool = False) -> None:
+def waitall(
+    pending: Iterable[Pending], comm: MPI.Comm | None = None, peers: tuple[int, ...] = (), *, poll: bool = False
+) -> None:
     """Complete every transfer in ``pending`` (all must have been started); ``comm``
     and ``peers`` name them for the stall inspector. ``poll``: test with
     :class:`Backoff` sleeps in between instead of blocking (for a thread that

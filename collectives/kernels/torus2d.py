@@ -23,9 +23,9 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ..transport.chunks import chunk_bounds
+from ..transport.ops import Reduction
 from . import ring
-from .chunks import chunk_bounds
-from .ops import Reduction
 
 
 def allreduce(x: Any, row: MPI.Comm, col: MPI.Comm, red: Reduction) -> None:
@@ -38,5 +38,5 @@ def allreduce(x: Any, row: MPI.Comm, col: MPI.Comm, red: Reduction) -> None:
     ring.reduce_scatter(x, row, red)
     bounds = chunk_bounds(x.shape[0], row.Get_size())
     i = row.Get_rank()
-    ring.allreduce(x[bounds[i]:bounds[i + 1]], col, red)
+    ring.allreduce(x[bounds[i] : bounds[i + 1]], col, red)
     ring.allgather(x, row)

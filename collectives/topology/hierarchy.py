@@ -6,7 +6,7 @@
   communicator (X ranks) and a column communicator (Y ranks, one per row
   position).
 
-Both are cached in the parent's :class:`~collectives.context.Context`, keyed
+Both are cached in the parent's :class:`~collectives.transport.context.Context`, keyed
 by the layout or grid, and freed with it. Building them is collective, so
 every rank must ask for the same layout or grid (the all-reduce entry point
 validates that before building).
@@ -15,12 +15,11 @@ validates that before building).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from mpi4py import MPI
 
-from .context import Context
-from .errors import ArgumentError
+from ..errors import ArgumentError
+from ..transport.context import Context
 from .layout import Layout
 
 Grid = tuple[int, int]
@@ -60,7 +59,7 @@ def check_grid(grid: object, size: int) -> Grid:
     return (x, y)
 
 
-def grid_comms(ctx: Context, grid: Grid, lay: Optional[Layout] = None) -> tuple[MPI.Comm, MPI.Comm]:
+def grid_comms(ctx: Context, grid: Grid, lay: Layout | None = None) -> tuple[MPI.Comm, MPI.Comm]:
     """(row communicator of X ranks, column communicator of Y ranks).
 
     With ``lay`` given and ``grid`` equal to its (ranks per node, nodes), rows

@@ -7,7 +7,7 @@ read-only, an unsupported dtype or type) raise :class:`ArgumentError`.
 
 bfloat16 has no numpy dtype, so a bfloat16 tensor is carried as its raw
 ``uint16`` bits; ``FlatBuffer.dtype`` keeps the logical name and the reduction
-ops (:mod:`collectives.ops`) know how to combine such bits.
+ops (:mod:`collectives.transport.ops`) know how to combine such bits.
 
 Device buffers (CuPy arrays, CUDA tensors) enter through the same function once
 their adapter is registered in :data:`DEVICE_ADAPTERS`.
@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from .errors import ArgumentError
+from ..errors import ArgumentError
 
 #: Logical dtype names every collective accepts.
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
@@ -31,7 +31,7 @@ _NUMPY_NAMES = {np.dtype(name): name for name in NUMPY_DTYPES}  # dtype.name is 
 #: Adapters for device buffers, tried in order after numpy and CPU torch. Each
 #: takes the caller's object and returns a FlatBuffer, or None if the object is
 #: not of its kind.
-DEVICE_ADAPTERS: list[Callable[[Any], "FlatBuffer | None"]] = []
+DEVICE_ADAPTERS: list[Callable[[Any], FlatBuffer | None]] = []
 
 
 class FlatBuffer(NamedTuple):
@@ -77,8 +77,7 @@ def as_flat(buf: Any) -> FlatBuffer:
             return flat
     raise ArgumentError(
         f"unsupported buffer type {type(buf).__module__}.{type(buf).__qualname__}; "
-        "expected a numpy.ndarray or a torch.Tensor"
-        + (" (or a CuPy array / CUDA tensor)" if DEVICE_ADAPTERS else "")
+        "expected a numpy.ndarray or a torch.Tensor" + (" (or a CuPy array / CUDA tensor)" if DEVICE_ADAPTERS else "")
     )
 
 
@@ -98,8 +97,10 @@ def dtype_code(flat: FlatBuffer) -> int:
 
 
 #: Readable names of :func:`dtype_code` values.
-DTYPE_CODES: dict[int, str] = {**dict(enumerate(DTYPES)),
-                               **{i + len(DTYPES): f"{d} (device)" for i, d in enumerate(DTYPES)}}
+DTYPE_CODES: dict[int, str] = {
+    **dict(enumerate(DTYPES)),
+    **{i + len(DTYPES): f"{d} (device)" for i, d in enumerate(DTYPES)},
+}
 
 
 def check_dtype(name: str, what: str) -> None:
@@ -129,7 +130,7 @@ def host_view(arr: np.ndarray) -> tuple[np.ndarray, str]:
     """
     name = _NUMPY_NAMES.get(arr.dtype)
     flags = arr.flags
-    if name is None or not flags.carray and not (flags.c_contiguous and flags.writeable):  # carray: the common case
+    if name is None or (not flags.carray and not (flags.c_contiguous and flags.writeable)):  # carray: the common case
         what = f"numpy array (dtype {arr.dtype}, shape {arr.shape})"
         if not arr.dtype.isnative:
             raise ArgumentError(f"{what} has non-native byte order; convert it with .astype(dtype.newbyteorder('='))")

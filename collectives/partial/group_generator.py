@@ -1,6 +1,6 @@
 """The group generator (GG): the lock service that hands out P-Reduce groups.
 
-Pure state machine, no MPI: :mod:`collectives.preduce` runs it in a service
+Pure state machine, no MPI: :mod:`collectives.partial.preduce` runs it in a service
 thread and turns its answers into messages. Workers are numbered 0..n-1.
 
 Protocol (seed 001 section 5.1, figure 16; Luo et al., "Prague:
@@ -67,13 +67,14 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable
 
 import numpy as np
 
-from .chunks import chunk_bounds
-from .errors import ArgumentError
+from ..errors import ArgumentError
+from ..transport.chunks import chunk_bounds
 
 #: Group-formation policies.
 POLICIES = ("random", "smart", "static")
@@ -102,7 +103,7 @@ class Group:
     members: tuple[int, ...]
     requester: int
     formed: float
-    started: Optional[float] = None
+    started: float | None = None
     served: dict[int, float] = field(default_factory=dict)
     running: set[int] = field(default_factory=set)
     reported: bool = field(default=False, repr=False)  # its wait has been traced
@@ -116,8 +117,7 @@ def check_policy(policy: str) -> None:
 
 def check_group_size(group_size: int, n: int) -> None:
     """Raise ArgumentError unless 1 <= ``group_size`` <= ``n``."""
-    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) \
-            or not 1 <= group_size <= n:
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or not 1 <= group_size <= n:
         raise ArgumentError(f"group_size must be an integer in 1..{n} (the number of workers), got {group_size!r}")
 
 
@@ -138,9 +138,17 @@ class GroupGenerator:
         trace: called with one human-readable line per event, or None.
     """
 
-    def __init__(self, n: int, group_size: int, policy: str = "random", *, seed: int = 0,
-                 draw: Optional[Draw] = None, clock: Callable[[], float] = time.monotonic,
-                 trace: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(
+        self,
+        n: int,
+        group_size: int,
+        policy: str = "random",
+        *,
+        seed: int = 0,
+        draw: Draw | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        trace: Callable[[str], None] | None = None,
+    ) -> None:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ArgumentError(f"the number of workers must be a positive integer, got {n!r}")
         check_group_size(group_size, n)
@@ -155,10 +163,10 @@ class GroupGenerator:
         self._clock = clock
         self._t0 = clock()
         self._trace = trace
-        self._lock: list[Optional[int]] = [None] * self.n  # gid holding each worker
-        self._queue: list[Group] = []                      # pending groups, FIFO (random)
+        self._lock: list[int | None] = [None] * self.n  # gid holding each worker
+        self._queue: list[Group] = []  # pending groups, FIFO (random)
         self._active: dict[int, Group] = {}
-        self._waiting: dict[int, float] = {}               # outstanding requests, arrival order
+        self._waiting: dict[int, float] = {}  # outstanding requests, arrival order
         self._closed: set[int] = set()
         self._next_gid = 1
 
@@ -203,8 +211,9 @@ class GroupGenerator:
             return self._schedule()
         queued = next((g for g in self._queue if worker in g.members), None)
         if queued is not None:
-            self._log(f"request w{worker}: already in pending g{queued.gid} {workers(queued.members)}, "
-                      "which will serve it")
+            self._log(
+                f"request w{worker}: already in pending g{queued.gid} {workers(queued.members)}, which will serve it"
+            )
         else:
             queued = Group(self._next_gid, self._drawn(worker), worker, self._clock())
             self._next_gid += 1
@@ -223,16 +232,17 @@ class GroupGenerator:
         self._lock[worker] = None
         if not group.running:
             del self._active[gid]
-        self._log(f"done w{worker} g{gid}{'' if group.running else ' (group released)'}; "
-                  f"locks {self._vector()}")
+        self._log(f"done w{worker} g{gid}{'' if group.running else ' (group released)'}; locks {self._vector()}")
         return self._schedule()
 
     def close(self, worker: int) -> list[Group]:
         """Worker ``worker`` will request no more groups; return the groups started."""
         self._check(worker)
         if worker in self._waiting or worker in self._closed:
-            raise ArgumentError(f"worker {worker} cannot close: it "
-                                f"{'has an outstanding request' if worker in self._waiting else 'already closed'}")
+            raise ArgumentError(
+                f"worker {worker} cannot close: it "
+                f"{'has an outstanding request' if worker in self._waiting else 'already closed'}"
+            )
         self._closed.add(worker)
         self._log(f"close w{worker} ({len(self._closed)}/{self.n} closed)")
         return self._schedule()
@@ -262,11 +272,21 @@ class GroupGenerator:
             else:
                 what = f"is queued as g{group.gid} {workers(group.members)}"
                 holders = [m for m in group.members if self._lock[m] is not None]
-            held = "; ".join(f"w{m} held by g{gid} {workers(a.members)} (running: {workers(sorted(a.running))})"
-                             for m in holders for gid in [self._lock[m]] for a in [self._active.get(gid)] if a)
-            out.append((("gg-request", worker), now - since,
-                        f"mpidl: group generator: the request of worker {worker} {what} for {now - since:.0f} s; "
-                        f"locks {self._vector()}" + (f"; {held}" if held else "")))
+            held = "; ".join(
+                f"w{m} held by g{gid} {workers(a.members)} (running: {workers(sorted(a.running))})"
+                for m in holders
+                for gid in [self._lock[m]]
+                for a in [self._active.get(gid)]
+                if a
+            )
+            out.append(
+                (
+                    ("gg-request", worker),
+                    now - since,
+                    f"mpidl: group generator: the request of worker {worker} {what} for {now - since:.0f} s; "
+                    f"locks {self._vector()}" + (f"; {held}" if held else ""),
+                )
+            )
         return out
 
     # -- internals ---------------------------------------------------------
@@ -291,10 +311,19 @@ class GroupGenerator:
                 claimed.update(group.members)
                 if not group.reported:
                     group.reported = True
-                    why = ", ".join(f"w{m} " + (f"locked by g{self._lock[m]}" if self._lock[m] is not None
-                                                 else "claimed by an earlier pending group") for m in busy)
-                    self._log(f"g{group.gid} {workers(group.members)} waits: {why}; "
-                              f"queue [{', '.join(f'g{g.gid}' for g in self._queue)}]")
+                    why = ", ".join(
+                        f"w{m} "
+                        + (
+                            f"locked by g{self._lock[m]}"
+                            if self._lock[m] is not None
+                            else "claimed by an earlier pending group"
+                        )
+                        for m in busy
+                    )
+                    self._log(
+                        f"g{group.gid} {workers(group.members)} waits: {why}; "
+                        f"queue [{', '.join(f'g{g.gid}' for g in self._queue)}]"
+                    )
                 continue
             self._queue.remove(group)
             self._start(group)
@@ -310,18 +339,21 @@ class GroupGenerator:
             self._lock[m] = group.gid
         self._active[group.gid] = group
         waits = ", ".join(f"w{m} after {t:.6f} s" for m, t in group.served.items())
-        self._log(f"start g{group.gid} {workers(group.members)} for w{group.requester}; "
-                  f"serves {waits or 'no request'}; locks {self._vector()}")
+        self._log(
+            f"start g{group.gid} {workers(group.members)} for w{group.requester}; "
+            f"serves {waits or 'no request'}; locks {self._vector()}"
+        )
 
     def _drawn(self, worker: int) -> tuple[int, ...]:
         if self._draw is None:
             others = [w for w in range(self.n) if w != worker]
             return tuple(sorted([worker, *self._rng.sample(others, self.group_size - 1)]))
         members = tuple(sorted(int(m) for m in self._draw(worker)))
-        if worker not in members or len(set(members)) != len(members) \
-                or not all(0 <= m < self.n for m in members):
-            raise ArgumentError(f"draw({worker}) returned {members}: a group must contain the requester "
-                                f"and distinct workers in 0..{self.n - 1}")
+        if worker not in members or len(set(members)) != len(members) or not all(0 <= m < self.n for m in members):
+            raise ArgumentError(
+                f"draw({worker}) returned {members}: a group must contain the requester "
+                f"and distinct workers in 0..{self.n - 1}"
+            )
         return members
 
     def _check(self, worker: int) -> None:
@@ -356,8 +388,9 @@ def static_groups(n: int, group_size: int, period_index: int, seed: int = 0) -> 
     return tuple(tuple(sorted(int(w) for w in perm[lo:hi])) for lo, hi in zip(bounds, bounds[1:]))
 
 
-def static_group(worker: int, iteration: int, n: int, group_size: int, period: int = 1,
-                 seed: int = 0) -> tuple[int, ...]:
+def static_group(
+    worker: int, iteration: int, n: int, group_size: int, period: int = 1, seed: int = 0
+) -> tuple[int, ...]:
     """The group of ``worker`` at ``iteration`` (0, 1, ...) under the static schedule."""
     if period < 1:
         raise ArgumentError(f"period must be >= 1, got {period}")

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any
 
 from mpi4py import MPI
 
-from .ops import Reduction
-from .p2p import recv, send
-from .scratch import scratch
+from ..transport.ops import Reduction
+from ..transport.p2p import recv, send
+from ..transport.scratch import scratch
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class Fold:
     rank: int
     pof2: int
     rem: int
-    newrank: Optional[int]
-    partner: Optional[int]
+    newrank: int | None
+    partner: int | None
     peers: tuple[int, ...]
 
     def real(self, newrank: int) -> int:
@@ -78,7 +78,7 @@ def fold_of(rank: int, size: int) -> Fold:
     rem = size - pof2
     if rank < 2 * rem:
         newrank = None if rank % 2 == 0 else rank // 2
-        partner: Optional[int] = rank + 1 if rank % 2 == 0 else rank - 1
+        partner: int | None = rank + 1 if rank % 2 == 0 else rank - 1
     else:
         newrank, partner = rank - rem, None
     fold = Fold(rank, pof2, rem, newrank, partner, ())

@@ -2,7 +2,7 @@
 
 P-Reduce (Partial All-Reduce) is an all-reduce (average) among a *group* of
 ranks; the groups come from the group generator (GG) lock service of
-:mod:`collectives.group_generator` (rules and policies there). A Prague
+:mod:`collectives.partial.group_generator` (rules and policies there). A Prague
 worker binds its flat parameter buffer once and calls :meth:`PReduce.average`
 after each local step; it returns once the buffer has been averaged with a
 group that GG started after the call began.
@@ -14,7 +14,7 @@ Protocol (``random``/``smart``; ``static`` needs no messages to GG):
    members, "serves your request");
 3. w takes its notifications one by one, in the order GG sent them: runs
    the group's all-reduce among the members (a kernel of
-   :data:`GROUP_KERNELS`, on a :class:`~collectives.group_comm.GroupComm`
+   :data:`GROUP_KERNELS`, on a :class:`~collectives.partial.group_comm.GroupComm`
    of a private duplicate of the caller's communicator — no communicator is
    created per group), divides by the group size, and sends DONE(group id);
 4. w returns after the group that serves its request. Groups it was drafted
@@ -32,7 +32,7 @@ ranks — no extra rank, so it works under a plain ``mpiexec -n N``. It talks
 over a second private duplicate (its own context id), receiving REQUEST, DONE,
 PAUSE and CLOSE from any source and answering with ``Isend`` so that it never
 waits for a worker. It and the waiting workers poll for messages with short,
-growing sleeps (:class:`~collectives.p2p.Backoff`) rather than block: a
+growing sleeps (:class:`~collectives.transport.p2p.Backoff`) rather than block: a
 blocking MPI receive busy-waits, and would take a core from the workers
 computing next to it. Needs ``MPI_THREAD_MULTIPLE``
 (mpi4py's default). ``close()`` is collective: each worker sends CLOSE and
@@ -55,7 +55,7 @@ Why it cannot deadlock (every worker calls ``average()`` repeatedly and then
 * GG never blocks on a worker (it answers with ``Isend``), and it always
   returns to its ``Recv``, so workers' sends to it complete.
 * Every request is served: see the fair-queue rule (random) and the
-  oldest-request-leads rule (smart) in :mod:`collectives.group_generator`.
+  oldest-request-leads rule (smart) in :mod:`collectives.partial.group_generator`.
 * static: every worker computes the same partition for each iteration, so
   by induction on the iteration all members of each group reach it.
 
@@ -77,19 +77,21 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional, TextIO, Union
+from typing import Any, TextIO, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from . import butterfly, gpu, halving_doubling, p2p, reduce_broadcast, ring, validation, watchdog
-from .api import Kernel
-from .buffers import array_module, as_flat
-from .context import context
-from .errors import ArgumentError, CollectiveError
+from .. import validation
+from ..errors import ArgumentError, CollectiveError
+from ..kernels import butterfly, halving_doubling, reduce_broadcast, ring
+from ..kernels.plans import Kernel
+from ..transport import gpu, p2p, watchdog
+from ..transport.buffers import array_module, as_flat
+from ..transport.context import context
+from ..transport.ops import reduction
 from .group_comm import GroupComm
 from .group_generator import GroupGenerator, check_group_size, check_policy, static_group, static_groups, workers
-from .ops import reduction
 
 # Messages on the control communicator: (kind, argument) int64 pairs to GG,
 # (kind, group id, serves-you flag, size, members...) to the workers.
@@ -151,7 +153,7 @@ class PReduce:
         group_size: members per group, 1..comm size (default: pairs, or 1
             on a single rank).
         policy: "random", "smart" or "static" (see
-            :mod:`collectives.group_generator`).
+            :mod:`collectives.partial.group_generator`).
         period: static only: iterations a partition is kept before it rotates.
         seed: seed of the random draws / the static schedule (>= 0).
         algorithm: the all-reduce kernel run within a group, a name in
@@ -167,10 +169,20 @@ class PReduce:
         ArgumentError: bad or disagreeing arguments, on every rank.
     """
 
-    def __init__(self, buf: Any, comm: Optional[MPI.Comm] = None, *, group_size: Optional[int] = None,
-                 policy: str = "random", period: int = 1, seed: int = 0,
-                 algorithm: str = "ring", service_rank: int = 0,
-                 trace: TraceSpec = None, validate: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        buf: Any,
+        comm: MPI.Comm | None = None,
+        *,
+        group_size: int | None = None,
+        policy: str = "random",
+        period: int = 1,
+        seed: int = 0,
+        algorithm: str = "ring",
+        service_rank: int = 0,
+        trace: TraceSpec = None,
+        validate: bool | None = None,
+    ) -> None:
         ctx = context(MPI.COMM_WORLD if comm is None else comm)
         self.rank, self.size = ctx.rank, ctx.size
         if group_size is None:
@@ -186,34 +198,53 @@ class PReduce:
             problem = exc
         if validation.enabled(validate):
             dtype = "" if problem else self._flat.dtype + ("" if self._on_host else " (device)")
-            signature = (0, 0, 0, 0, 0) if problem else (
-                self._flat.size, validation.code(dtype), validation.code("avg"), validation.code(algorithm),
-                validation.code(options))
-            validation.check(ctx, "PReduce", problem, signature, lambda: (
-                {}, {validation.code(dtype): dtype}, {}, {validation.code(a): a for a in GROUP_KERNELS},
-                {validation.code(options): options}))
+            signature = (
+                (0, 0, 0, 0, 0)
+                if problem
+                else (
+                    self._flat.size,
+                    validation.code(dtype),
+                    validation.code("avg"),
+                    validation.code(algorithm),
+                    validation.code(options),
+                )
+            )
+            validation.check(
+                ctx,
+                "PReduce",
+                problem,
+                signature,
+                lambda: (
+                    {},
+                    {validation.code(dtype): dtype},
+                    {},
+                    {validation.code(a): a for a in GROUP_KERNELS},
+                    {validation.code(options): options},
+                ),
+            )
         elif problem:
             raise problem
         if not self._on_host:
             gpu.ensure(ctx.comm, self._flat)
         self.group_size, self.policy, self.period, self.seed = int(group_size), policy, period, seed
         self.stats = PReduceStats()
-        self.last_group: Optional[tuple[int, ...]] = None  # the group that served the last average()
+        self.last_group: tuple[int, ...] | None = None  # the group that served the last average()
         self._service_rank = service_rank
         self._iteration = 0
         self._closed = False
         self._groups: dict[tuple[int, ...], GroupComm] = {}
         self._data = ctx.comm.Dup()
-        self._trace: Optional[_Trace] = _Trace.open(trace) if self.rank == service_rank else None
-        self._thread: Optional[threading.Thread] = None
-        self._stalled: Optional[watchdog.Reporter] = None
+        self._trace: _Trace | None = _Trace.open(trace) if self.rank == service_rank else None
+        self._thread: threading.Thread | None = None
+        self._stalled: watchdog.Reporter | None = None
         if policy != "static":
             self._ctl = ctx.comm.Dup()
             self._inbox = np.zeros(4 + self.group_size, np.int64)
             self._outbox = np.zeros(2, np.int64)
             if self.rank == service_rank:
-                gg = GroupGenerator(self.size, self.group_size, policy, seed=seed,
-                                    trace=self._trace.write if self._trace else None)
+                gg = GroupGenerator(
+                    self.size, self.group_size, policy, seed=seed, trace=self._trace.write if self._trace else None
+                )
                 service = _Service(self._ctl, gg, self._trace)
                 self._trace = None  # the service owns it now
                 self._thread = threading.Thread(target=service.run, name="mpidl-group-generator", daemon=True)
@@ -237,8 +268,9 @@ class PReduce:
             if self._trace is not None and self._iteration % self.period == 0:
                 period = self._iteration // self.period
                 groups = static_groups(self.size, self.group_size, period, self.seed)
-                self._trace.write(f"[static] iteration {self._iteration}, period {period}: "
-                                  + " ".join(map(workers, groups)))
+                self._trace.write(
+                    f"[static] iteration {self._iteration}, period {period}: " + " ".join(map(workers, groups))
+                )
             self._iteration += 1
             self._run(members)
             self.stats.groups += 1
@@ -288,13 +320,13 @@ class PReduce:
             self._trace.close()
         self._data.Free()
 
-    def __enter__(self) -> "PReduce":
+    def __enter__(self) -> PReduce:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _serve(self, watched: bool = True) -> Optional[bool]:
+    def _serve(self, watched: bool = True) -> bool | None:
         """Run the next group GG notified: True if it served this rank's request,
         None on SHUTDOWN or QUIET.
 
@@ -314,7 +346,7 @@ class PReduce:
         kind, gid, serves, size = (int(v) for v in self._inbox[:4])
         if kind in (SHUTDOWN, QUIET):
             return None
-        members = tuple(int(m) for m in self._inbox[4:4 + size])
+        members = tuple(int(m) for m in self._inbox[4 : 4 + size])
         p2p.operation(f"P-Reduce (group {gid} of ranks {list(members)})")
         self._run(members)
         self._tell(DONE, gid)
@@ -346,8 +378,9 @@ class PReduce:
         self._ctl.Send([self._outbox, MPI.INT64_T], self._service_rank, TO_GG)
 
 
-def check_options(size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int,
-                  service_rank: int) -> Kernel:
+def check_options(
+    size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int, service_rank: int
+) -> Kernel:
     """Raise ArgumentError for a bad option; return the kernel of ``algorithm``."""
     kernel = GROUP_KERNELS.get(algorithm)
     if kernel is None:
@@ -368,7 +401,7 @@ _UNWATCHED = watchdog.Slot()
 class _Service:
     """The GG thread: receives workers' messages, feeds the state machine, notifies members."""
 
-    def __init__(self, ctl: MPI.Comm, gg: GroupGenerator, trace: Optional["_Trace"]) -> None:
+    def __init__(self, ctl: MPI.Comm, gg: GroupGenerator, trace: _Trace | None) -> None:
         self.ctl, self.gg, self.trace = ctl, gg, trace
         self.sends: list[tuple[MPI.Request, np.ndarray]] = []  # notifications in flight, with their buffers
 
@@ -411,8 +444,9 @@ class _Service:
                     self._send(m, NOTIFY, group.gid, m in group.served, group.members)
             if gg.finished:
                 if pausing and len(pausing) != gg.n:
-                    raise CollectiveError(f"group generator: ranks {sorted(pausing)} called settle() while the "
-                                          "others called close()")
+                    raise CollectiveError(
+                        f"group generator: ranks {sorted(pausing)} called settle() while the others called close()"
+                    )
                 for w in range(gg.n):
                     self._send(w, QUIET if pausing else SHUTDOWN)
                 if not pausing:
@@ -426,7 +460,7 @@ class _Service:
         """Start sending a message to ``worker``; it is completed later (GG never waits for a worker)."""
         out = np.zeros(4 + self.gg.group_size, np.int64)
         out[:4] = kind, gid, serves, len(members)
-        out[4:4 + len(members)] = members
+        out[4 : 4 + len(members)] = members
         self.sends.append((self.ctl.Isend([out, MPI.INT64_T], worker, TO_WORKER), out))
 
 
@@ -437,7 +471,7 @@ class _Trace:
         self.stream, self.owned = stream, owned
 
     @classmethod
-    def open(cls, spec: TraceSpec) -> Optional["_Trace"]:
+    def open(cls, spec: TraceSpec) -> _Trace | None:
         """The trace for ``spec`` (see :class:`PReduce`), or None when off."""
         if spec is None:
             spec = os.environ.get(TRACE_ENV, "")

@@ -1,0 +1,5 @@
+"""Transport: how the collectives' data lives and moves.
+
+Buffers of every kind as flat arrays, reduction ops, point-to-point transfers
+with their byte counts and the stall watchdog, scratch, device staging.
+"""
