@@ -28,6 +28,8 @@ setup(
         "train": ["scikit-learn>=1.0", "threadpoolctl>=3"],
         "torch": ["torch>=2.1"],
         "cupy": ["cupy-cuda12x"],
+        # The linter, formatter and type checker CI runs (ruff.toml, mypy.ini), pinned so that all agree.
+        "lint": ["ruff==0.17.6", "mypy==2.4.1"],
     },
     entry_points={"console_scripts": ["mpidl = mpidl.cli:main"]},
     classifiers=[

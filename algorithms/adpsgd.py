@@ -185,6 +185,7 @@ class ADPSGD(Algorithm):
 
     def _collect(self) -> None:
         """Wait for the averaging in flight; count its time and bytes."""
+        assert self._background is not None  # active workers only
         t0 = time.perf_counter()
         _, nbytes = self._background.result()
         self.comm_wait_s += time.perf_counter() - t0
@@ -193,6 +194,7 @@ class ADPSGD(Algorithm):
 
     def _count_served(self) -> None:
         """Add what the server did since the last count (passive)."""
+        assert self._server is not None  # passive workers only
         served, nbytes = self._server.take_counts()
         self.averagings += served
         self.bytes_sent += nbytes

@@ -150,7 +150,7 @@ class GRSGD(Algorithm):
     def _apply(self, edge: _Edge) -> None:
         """x += w (theirs - snapshot), in float32 for half precision."""
         x, w = self.flat.param_data, self.weight
-        if self.flat.dtype in _HALF:
+        if edge.work is not None:  # half precision
             acc, term = edge.work
             widen(edge.theirs, term, self.flat.dtype)
             widen(edge.snapshot, acc, self.flat.dtype)
@@ -201,6 +201,9 @@ class _Edge:
     def __init__(self, x: Any, dtype: str) -> None:
         xp = array_module(x)
         self.snapshot, self.theirs = xp.empty_like(x), xp.empty_like(x)
-        self.work = (xp.empty(x.shape, np.float32), xp.empty(x.shape, np.float32)) if dtype in _HALF else ()
+        #: float32 (accumulator, term) for half precision; None for other dtypes.
+        self.work: tuple[Any, Any] | None = (
+            (xp.empty(x.shape, np.float32), xp.empty(x.shape, np.float32)) if dtype in _HALF else None
+        )
         self.pending: list = []
         self.started = self.done = 0

@@ -152,6 +152,7 @@ class LSGD(Algorithm):
                 if not first:
                     self._collect()  # last = R(t-1)
                 fresh.data[:] = g
+                assert self._background is not None  # made in _start for representatives
                 self._background.submit(
                     collectives.allreduce, fresh.owner, self._leaders, "sum", self.algorithm, validate=False
                 )
@@ -165,6 +166,7 @@ class LSGD(Algorithm):
 
     def _collect(self) -> None:
         """Wait for the in-flight inter-group all-reduce and count its bytes."""
+        assert self._background is not None
         _, nbytes = self._background.result()
         self.bytes_sent += nbytes
 

@@ -79,7 +79,7 @@ class Prague(Algorithm):
         algorithm: str = "ring",
         **common: Any,
     ) -> None:
-        self.options = {
+        self.options: dict[str, Any] = {
             "group_size": group_size,
             "policy": policy,
             "period": period,
@@ -87,7 +87,6 @@ class Prague(Algorithm):
             "algorithm": algorithm,
         }
         self.local_steps = local_steps
-        self.preduce: PReduce | None = None
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
@@ -98,6 +97,8 @@ class Prague(Algorithm):
             raise ArgumentError(f"local_steps must be an integer >= 1, got {self.local_steps!r}")
         self.uneven_steps = self.options["policy"] != "static"
         return (tuple(sorted(self.options.items())), self.local_steps)
+
+    preduce: PReduce  #: the P-Reduce of the flat parameters (made in _start)
 
     def _start(self) -> None:
         # The options were checked in _configure and across ranks by the set-up check.

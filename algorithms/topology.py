@@ -223,7 +223,9 @@ def from_adjacency(adjacency: Sequence[Sequence[float]], weights: str = "metropo
     if loops.size:
         raise TopologyError(f"adjacency has self-loops at rank(s) {loops.tolist()}; the diagonal must be zero")
     n = A.shape[0]
-    return _build(name or f"graph({n}, {int(A.sum()) // 2} edges)", n, map(tuple, np.argwhere(A).tolist()), weights)
+    return _build(
+        name or f"graph({n}, {int(A.sum()) // 2} edges)", n, ((int(i), int(j)) for i, j in np.argwhere(A)), weights
+    )
 
 
 def from_matrix(W: Sequence[Sequence[float]], name: str = "") -> Topology:

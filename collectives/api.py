@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -215,7 +216,7 @@ def allreduce(
             x, dtype = host_view(buf)
         else:
             x, dtype, _ = as_flat(buf)
-        key = (algorithm, op, dtype, x.nbytes, type(x), check, layout, grid)
+        key: Hashable = (algorithm, op, dtype, x.nbytes, type(x), check, layout, grid)
         try:
             call = ctx.calls.get(key)
         except TypeError:  # an unhashable layout or grid (a list): key by its text
@@ -249,10 +250,10 @@ def broadcast(buf: Any, comm: MPI.Comm | None = None, *, validate: bool | None =
     except ArgumentError as exc:
         flat, problem = None, exc
     if validation.enabled(validate):
-        signature = (0,) * 5 if problem else (flat.size, dtype_code(flat), 0, validation.code("broadcast"), 0)
+        signature = (0,) * 5 if flat is None else (flat.size, dtype_code(flat), 0, validation.code("broadcast"), 0)
         validation.check(ctx, "broadcast", problem, signature, _field_names)
-    elif problem:
-        raise problem
+    if flat is None:  # unchecked (a check raised already)
+        raise problem or ArgumentError("broadcast: no buffer")
     if type(flat.data) is not np.ndarray:
         gpu.ensure(ctx.comm, flat)
     if flat.size:

@@ -135,9 +135,12 @@ def check(
     nbytes = 0 if data is None else data.nbytes
     out = scratch(_U8_EMPTY, _H + FUSE_LIMIT, slot=2)
     got = scratch(_U8_EMPTY, _H + FUSE_LIMIT, slot=3)
-    ref = (0,) * (len(FIELDS) - 1) if problem is not None else tuple(signature)
+    ref: tuple[int, ...] = (0,) * (len(FIELDS) - 1) if problem is not None else tuple(signature)
     flag = int(problem is not None)
-    if nbytes:
+    combine = None
+    if data is not None and nbytes:
+        assert red is not None, "data to reduce needs its reduction"
+        combine = red.combine
         mine = out[_H : _H + nbytes].view(data.dtype)
         theirs = got[_H : _H + nbytes].view(data.dtype)
         np.copyto(mine, data)
@@ -145,13 +148,13 @@ def check(
 
     def merge(peer: int) -> None:
         nonlocal flag, ref
-        pflag, *pref = _HEADER.unpack_from(got)
-        pref = tuple(pref)
+        pflag, *fields = _HEADER.unpack_from(got)
+        pref = tuple(fields)
         flag |= pflag | (status.Get_count(_BYTE) != size) | (pref != ref)
         if peer < ctx.rank:
             ref = pref
-        if nbytes and not flag:
-            red.combine(mine, theirs, src_first=peer < ctx.rank)
+        if combine is not None and not flag:
+            combine(mine, theirs, src_first=peer < ctx.rank)
 
     _HEADER.pack_into(out, 0, flag, *ref)
     blocked = p2p.watch(comm, f.peers + ((f.partner,) if f.partner is not None else ()))
@@ -159,7 +162,8 @@ def check(
         if f.partner is not None and f.newrank is None:  # folded out: hand over, wait for the result
             comm.Send([out[:size], _BYTE], f.partner, _TAG)
             comm.Recv([out, _BYTE], f.partner, _TAG, status)
-            flag, *ref = _HEADER.unpack_from(out)
+            flag, *fields = _HEADER.unpack_from(out)
+            ref = tuple(fields)
             flag |= status.Get_count(_BYTE) != size
         else:
             if f.partner is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import functools
 import importlib
 import json
 import os
@@ -124,48 +125,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="plot time vs size, one line per algorithm (needs matplotlib)")
 
 
-def candidates(names: Sequence[str], validate: bool, device: str = "cpu") -> dict[str, Callable[[Any], None]]:
+def candidates(names: Sequence[str], validate: bool, device: str = "cpu") -> dict[str, Callable[[Any], object]]:
     """Callables that all-reduce a buffer in place (native out-of-place: into a
-    second buffer), by candidate name. On "cuda" each call ends with a stream
-    synchronisation, and native MPI gets device pointers only if the MPI
+    second buffer), by candidate name. On "cuda" each call is bracketed by stream
+    synchronisations, and native MPI gets device pointers only if the MPI
     library is GPU-aware (:mod:`collectives.transport.gpu`); otherwise it is timed with
     the same staging through pinned host memory ("native_staged")."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    out: dict[str, Callable[[Any], None]] = {}
-    spare: dict[int, Any] = {}
+    out: dict[str, Callable[[Any], object]] = {}
+    spare: dict[Any, Any] = {}
 
     def other(x: Any) -> Any:
         if x.nbytes not in spare:
             spare[x.nbytes] = x.copy()
         return spare[x.nbytes]
 
-    if device == "cuda":
-        import cupy
-
-        sync = cupy.cuda.get_current_stream().synchronize
-        if gpu.configure(comm).mode == "direct":
-            out["native"] = lambda x: (sync(), comm.Allreduce(x, other(x)), sync())
-            out["native_inplace"] = lambda x: (sync(), comm.Allreduce(MPI.IN_PLACE, x), sync())
-        else:
-
-            def staged(x: Any) -> None:
-                host = spare.setdefault(("host", x.nbytes), cupy.cuda.alloc_pinned_memory(x.nbytes))
-                h = np.frombuffer(host, x.dtype, x.size)
-                x.get(out=h)
-                comm.Allreduce(MPI.IN_PLACE, h)
-                x.set(h)
-
-            out["native_staged"] = staged
-        for name in names:
-            out[name] = lambda x, name=name: (collectives.allreduce(x, comm, "sum", name, validate=validate), sync())
-        return out
     out["native"] = lambda x: comm.Allreduce(x, other(x))
     out["native_inplace"] = lambda x: comm.Allreduce(MPI.IN_PLACE, x)
     for name in names:
-        out[name] = lambda x, name=name: collectives.allreduce(x, comm, "sum", name, validate=validate)
-    return out
+        out[name] = functools.partial(collectives.allreduce, comm=comm, op="sum", algorithm=name, validate=validate)
+    if device != "cuda":
+        return out
+    import cupy
+
+    if gpu.configure(comm).mode != "direct":  # the MPI library cannot read device memory: native stages it
+
+        def staged(x: Any) -> None:
+            key = ("host", x.nbytes)
+            if key not in spare:
+                spare[key] = cupy.cuda.alloc_pinned_memory(x.nbytes)
+            h = np.frombuffer(spare[key], x.dtype, x.size)
+            x.get(out=h)
+            comm.Allreduce(MPI.IN_PLACE, h)
+            x.set(h)
+
+        del out["native"], out["native_inplace"]
+        out["native_staged"] = staged
+    sync = cupy.cuda.get_current_stream().synchronize
+    return {name: _synchronized(fn, sync) for name, fn in out.items()}
+
+
+def _synchronized(fn: Callable[[Any], object], sync: Callable[[], None]) -> Callable[[Any], None]:
+    """``fn`` between two waits for the device's queued work (so host clocks time it)."""
+
+    def run(x: Any) -> None:
+        sync()
+        fn(x)
+        sync()
+
+    return run
 
 
 def run(
@@ -225,7 +235,7 @@ def run(
     return results
 
 
-def _calibrate(comm, fn: Callable[[np.ndarray], None], x: np.ndarray, batch_time: float) -> int:
+def _calibrate(comm: Any, fn: Callable[[np.ndarray], object], x: np.ndarray, batch_time: float) -> int:
     """Warm up, then choose (on every rank alike) how many calls make one batch."""
     fn(x)
     fn(x)
@@ -233,7 +243,7 @@ def _calibrate(comm, fn: Callable[[np.ndarray], None], x: np.ndarray, batch_time
     return max(1, min(10000, int(batch_time / max(t, 1e-7))))
 
 
-def _time_batch(comm, fn: Callable[[np.ndarray], None], x: np.ndarray, iters: int) -> float:
+def _time_batch(comm: Any, fn: Callable[[np.ndarray], object], x: np.ndarray, iters: int) -> float:
     """Seconds per call over a barrier-aligned batch, the slowest rank's."""
     from mpi4py import MPI
 
@@ -260,7 +270,7 @@ class _NoBar:
     def close(self) -> None: ...
 
 
-def _progress(total: int, show: bool):
+def _progress(total: int, show: bool) -> Any:
     if not show:
         return _NoBar()
     from tqdm import tqdm
@@ -305,13 +315,13 @@ def summary(results: Sequence[Result], tie: float = 0.1) -> str:
             f"{native.algorithm:<24} {native.time / auto.time:11.2f}"
         )
     for size in dict.fromkeys((sizes[0], sizes[-1])):
-        fixed = {r.algorithm: r for r in results if r.size == size and r.algorithm in costmodel.MODELS}
-        if len(fixed) < 2:
+        by_name = {r.algorithm: r for r in results if r.size == size and r.algorithm in costmodel.MODELS}
+        if len(by_name) < 2:
             continue
-        model = sorted(fixed, key=lambda a: fixed[a].predicted)
-        measured = sorted(fixed, key=lambda a: fixed[a].time)
+        model = sorted(by_name, key=lambda a: by_name[a].predicted)
+        measured = sorted(by_name, key=lambda a: by_name[a].time)
         wrong = [
-            (a, b) for i, a in enumerate(model) for b in model[i + 1 :] if fixed[a].time > fixed[b].time * (1 + tie)
+            (a, b) for i, a in enumerate(model) for b in model[i + 1 :] if by_name[a].time > by_name[b].time * (1 + tie)
         ]
         lines.append(f"{human(size)}: model order {' < '.join(model)}")
         lines.append(f"{human(size)}: measured    {' < '.join(measured)}")

@@ -65,7 +65,7 @@ def save(directory: str, step: int, comm: MPI.Comm, arrays: dict[str, np.ndarray
     folder = os.path.join(directory, step_name(step))
     os.makedirs(folder, exist_ok=True)
     blob = {**arrays, _INFO: np.array(json.dumps(info))}
-    _replace_atomically(os.path.join(folder, f"rank-{comm.Get_rank()}.npz"), lambda f: np.savez(f, **blob))
+    _replace_atomically(os.path.join(folder, f"rank-{comm.Get_rank()}.npz"), lambda f: np.savez(f, **blob))  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
     comm.Barrier()
     if comm.Get_rank() == 0:
         _replace_atomically(os.path.join(directory, _LATEST), lambda f: f.write(step_name(step).encode()))

@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import IO, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from mpi4py import MPI
 
 from . import bench, compare, info, train
 from .runtime import init
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 #: Stall limits of the commands, in seconds (MPIDL_STALL_WARN / MPIDL_STALL_ABORT override).
 STALL_WARN, STALL_ABORT = 60.0, 600.0
@@ -26,11 +29,11 @@ class _Parser(argparse.ArgumentParser):
     """An argument parser that prints help, usage and errors on rank 0 only: every
     rank parses the same command line, and one copy of a message is enough."""
 
-    def print_help(self, file: IO[str] | None = None) -> None:
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
         if MPI.COMM_WORLD.Get_rank() == 0:
             super().print_help(file)
 
-    def print_usage(self, file: IO[str] | None = None) -> None:
+    def print_usage(self, file: SupportsWrite[str] | None = None) -> None:
         if MPI.COMM_WORLD.Get_rank() == 0:
             super().print_usage(file)
 

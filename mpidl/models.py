@@ -65,6 +65,7 @@ class MLP(ABC):
 
     backend: ClassVar[str]
     device: Any = "cpu"
+    model: Any
 
     def __init__(self, sizes: Sequence[int]) -> None:
         if len(sizes) < 2 or min(sizes) < 1:

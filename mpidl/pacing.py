@@ -68,6 +68,7 @@ class StepBudget:
 
     def over(self) -> bool:
         """Whether the current epoch's budget is spent (its end was announced)."""
+        assert self._over is not None, "over() before begin_epoch()"
         return bool(self._over.Test())
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -349,7 +349,8 @@ def _agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
     """Run the local set-up ``fn`` on every rank; if it failed on any, raise a
     :class:`UsageError` on every rank (so that none waits in a collective)."""
     try:
-        value, problem = fn(), None
+        value: T | None = fn()
+        problem = None
     except (ValueError, ImportError, RuntimeError) as exc:
         value, problem = None, str(exc)
     failed = [(rank, p) for rank, p in enumerate(comm.allgather(problem)) if p]
@@ -360,7 +361,7 @@ def _agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
             if len({p for _, p in failed}) == 1 and len(failed) == comm.Get_size()
             else f"rank {rank}: {problem}"
         )
-    return value
+    return cast(T, value)
 
 
 def _set_threads(threads: int, backend: str) -> None:
@@ -576,12 +577,14 @@ class _Run:
     def _budgeted_steps(self, epoch: int) -> tuple[Any, int]:
         """Steps until the epoch's budget is spent; (loss sum, steps taken by this worker)."""
         stream = data.batch_stream(self.indices, self.steps, self.config.seed, epoch, self.algo.rank)
+        budget = self.budget
+        assert budget is not None  # the loop of an uneven-steps algorithm
         loss_sum: Any = 0.0
         taken = 0
-        self.budget.begin_epoch()
-        while not self.budget.over():
+        budget.begin_epoch()
+        while not budget.over():
             loss_sum = loss_sum + self._train_step(self.net.array(next(stream)))
-            self.budget.step()
+            budget.step()
             taken += 1
         return loss_sum, taken
 
@@ -622,6 +625,7 @@ class _Run:
 
     def restore(self) -> None:
         """Continue from the newest checkpoint in ``config.checkpoint`` (local; raises on a mismatch)."""
+        assert self.config.checkpoint, "restore() without a checkpoint folder"
         arrays, info = checkpoint.load(self.config.checkpoint, self.algo.rank)
         differ = {k: (v, self.signature()[k]) for k, v in info["run"].items() if self.signature().get(k) != v}
         if differ:

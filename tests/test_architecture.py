@@ -58,7 +58,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         else:
             continue
-        found.update(t for t in targets if t in known or t.split(".")[0] in PACKAGES and t in known)
+        found.update(t for t in targets if t in known or (t.split(".")[0] in PACKAGES and t in known))
     found.discard(name)
     return found
 
@@ -159,7 +159,9 @@ def drawing() -> str:
                 edges[pa].add(pb)
     rows = [*PACKAGES[:0:-1], *COLLECTIVES_PARTS[::-1]]
     width = max(map(len, rows))
-    return "\n".join(f"{row:<{width}}  -> {', '.join(sorted(edges[row])) or '(nothing of the project)'}" for row in rows)
+    return "\n".join(
+        f"{row:<{width}}  -> {', '.join(sorted(edges[row])) or '(nothing of the project)'}" for row in rows
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
     """Reduce ``x`` in place across ``comm`` by recursive halving then doubling."""
     f = fold(comm)
     f.fold_in(x, comm, red)
-    if f.peers:
-        me = f.newrank
+    me = f.newrank
+    if me is not None and f.peers:  # a participant of the power-of-two exchanges
         bounds = chunk_bounds(x.shape[0], f.pof2)
         lo, hi = 0, f.pof2  # the block range this rank is responsible for
         mask = f.pof2 >> 1

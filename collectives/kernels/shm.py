@@ -109,8 +109,8 @@ class Segment:
         self.rank = me = comm.Get_rank()
         self.capacity = capacity = SEGMENT if capacity is None else capacity
         control = q * _LINE + -(-2 * q * HEADER // _LINE) * _LINE
-        self._win = MPI.Win.Allocate_shared(control + 2 * (q + 1) * capacity if me == 0 else 0, 1, comm=comm)
-        self._raw = np.frombuffer(self._win.Shared_query(0)[0], np.uint8)
+        self._win = MPI.Win.Allocate_shared(control + 2 * (q + 1) * capacity if me == 0 else 0, 1, comm=comm)  # type: ignore[arg-type]  # a node communicator
+        self._raw = np.frombuffer(self._win.Shared_query(0)[0], np.uint8)  # type: ignore[call-overload]  # an MPI buffer
         self._win.Lock_all(MPI.MODE_NOCHECK)
         self._counters = memoryview(self._raw[: q * _LINE]).cast("q")
         self._mine = me * _LINE // 8

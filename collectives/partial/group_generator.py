@@ -276,6 +276,7 @@ class GroupGenerator:
                 f"w{m} held by g{gid} {workers(a.members)} (running: {workers(sorted(a.running))})"
                 for m in holders
                 for gid in [self._lock[m]]
+                if gid is not None
                 for a in [self._active.get(gid)]
                 if a
             )

@@ -194,7 +194,9 @@ def _check(ctx: Context, weights: NeighborWeights, flat: FlatBuffer | None, prob
             parts = [f"expects data from rank(s) {missing}, which do not send to it"] if missing else []
             parts += [f"is sent data by rank(s) {extra}, which it does not list as in-neighbors"] if extra else []
             problem = ArgumentError(f"inconsistent graph: rank {ctx.rank} " + " and ".join(parts))
-    signature = (0,) * 5 if problem else (flat.size, dtype_code(flat), 0, validation.code("neighbor"), 0)
+    signature = (
+        (0,) * 5 if problem or flat is None else (flat.size, dtype_code(flat), 0, validation.code("neighbor"), 0)
+    )
     validation.check(ctx, "neighbor_allreduce", problem, signature, lambda: ({}, DTYPE_CODES))
 
 

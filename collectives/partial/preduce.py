@@ -361,7 +361,7 @@ class PReduce:
         """Average the buffer among ``members`` (parent ranks, ascending, self included)."""
         t = time.perf_counter()
         if len(members) > 1 and self._flat.size:
-            self._kernel(self._flat.data, self._group(members), self._red)
+            self._kernel(self._flat.data, self._group(members), self._red)  # type: ignore[arg-type]  # GroupComm: the kernels' subset of a Comm
             self._red.finalize(self._flat.data, len(members))
         self.stats.reduce_s += time.perf_counter() - t
 

@@ -51,7 +51,7 @@ def default_grid(lay: Layout) -> Grid:
 def check_grid(grid: object, size: int) -> Grid:
     """Return ``grid`` as (X, Y) or raise ArgumentError unless X * Y == size."""
     try:
-        x, y = (int(v) for v in grid)  # type: ignore[union-attr]
+        x, y = (int(v) for v in grid)  # type: ignore[attr-defined]  # any user object; TypeError handled
     except (TypeError, ValueError):
         raise ArgumentError(f"grid must be a pair (X, Y) of positive integers, got {grid!r}") from None
     if x < 1 or y < 1 or x * y != size:
@@ -67,13 +67,13 @@ def grid_comms(ctx: Context, grid: Grid, lay: Layout | None = None) -> tuple[MPI
     holds ranks ``y*X .. y*X + X - 1``.
     """
     x, _ = grid
-    by_node = lay is not None and set(lay.ranks_per_node) == {x} and default_grid(lay) == grid
-    if by_node:
-        row_id = lay.node_of[ctx.rank]
-        position = lay.members(row_id).index(ctx.rank)
+    node_rows = lay if lay is not None and set(lay.ranks_per_node) == {x} and default_grid(lay) == grid else None
+    if node_rows is not None:
+        row_id = node_rows.node_of[ctx.rank]
+        position = node_rows.members(row_id).index(ctx.rank)
     else:
         row_id, position = divmod(ctx.rank, x)
-    key = ("grid", grid, lay.node_of if by_node else None)
+    key = ("grid", grid, node_rows.node_of if node_rows is not None else None)
     found = ctx.cache.get(key)
     if found is None:
         row = ctx.comm.Split(row_id, ctx.rank)

@@ -99,7 +99,7 @@ def detected(ctx: Context) -> Layout:
     return found
 
 
-def _emulated(spec: RanksPerNode, size: int) -> Layout:
+def _emulated(spec: int | str | Sequence[int], size: int) -> Layout:
     try:
         if isinstance(spec, str):
             parts = [int(p) for p in spec.replace("+", ",").split(",") if p.strip()]

@@ -136,7 +136,7 @@ def host_view(arr: np.ndarray) -> tuple[np.ndarray, str]:
             raise ArgumentError(f"{what} has non-native byte order; convert it with .astype(dtype.newbyteorder('='))")
         check_dtype(arr.dtype.name, what)
         check_layout(flags.c_contiguous, flags.writeable, what)
-    return arr if arr.ndim == 1 else arr.reshape(-1), name
+    return arr if arr.ndim == 1 else arr.reshape(-1), name  # type: ignore[return-value]  # checked above
 
 
 def _from_numpy(arr: np.ndarray, owner: Any) -> FlatBuffer:

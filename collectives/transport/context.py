@@ -75,7 +75,7 @@ def context(comm: MPI.Comm) -> Context:
     found = _known.get(id(comm))
     if found is not None and found[0] is comm:
         return found[1]
-    ctx = comm.Get_attr(_KEYVAL)
+    ctx: Context | None = comm.Get_attr(_KEYVAL)  # type: ignore[assignment]  # mpi4py types attributes loosely
     if ctx is None:
         ctx = Context(comm)
         comm.Set_attr(_KEYVAL, ctx)

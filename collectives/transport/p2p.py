@@ -92,7 +92,7 @@ def operation(name: str) -> None:
     s.operation = name
 
 
-def watch(comm: MPI.Comm, peers: tuple[int, ...]) -> watchdog.Slot:
+def watch(comm: MPI.Comm | None, peers: tuple[int, ...]) -> watchdog.Slot:
     """Mark this thread blocked on ``peers`` of ``comm`` for the stall inspector;
     the caller sets ``since = 0.0`` on the returned slot when done."""
     s = _sent.slot

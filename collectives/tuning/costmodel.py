@@ -113,12 +113,12 @@ class Params:
 # --- the algorithms as steps ------------------------------------------------
 
 
-def _crosses(lay: Layout, pairs) -> bool:
+def _crosses(lay: Layout, pairs: Iterable[tuple[int, int]]) -> bool:
     """Whether any (a, b) exchange of a step crosses nodes."""
     return any(lay.node_of[a] != lay.node_of[b] for a, b in pairs)
 
 
-def _step(prm: Params, lay: Layout, pairs, nbytes: float, reduced: float) -> float:
+def _step(prm: Params, lay: Layout, pairs: Iterable[tuple[int, int]], nbytes: float, reduced: float) -> float:
     alpha, beta = prm.link(_crosses(lay, pairs))
     return alpha + nbytes * beta + reduced * prm.gamma
 
