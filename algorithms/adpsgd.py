@@ -150,7 +150,7 @@ class ADPSGD(Algorithm):
     def _start(self) -> None:
         self._comm = self.comm.Dup()
         self._lock = threading.Lock()
-        self._red = reduction("avg", self.flat.dtype, array_module(self.flat.param_data))
+        self._red = reduction("avg", self.flat.dtype, array_module(self.flat.state_data))
         self._rng = np.random.default_rng([self.seed, self.rank])
         if not self.peers:
             return
@@ -176,7 +176,7 @@ class ADPSGD(Algorithm):
 
     def _average_with(self, peer: int) -> None:
         """On the averaging thread: x_i, x_peer <- (x_i + x_peer) / 2 (the peer's server does its half)."""
-        x = self.flat.param_data
+        x = self.flat.state_data
         theirs = scratch(x, x.shape[0])
         p2p.operation(f"AD-PSGD averaging with rank {peer}")
         pending = [p2p.irecv(self._comm, theirs, peer), p2p.isend(self._comm, x, peer)]
@@ -205,7 +205,7 @@ class ADPSGD(Algorithm):
         if self._background is not None:
             if self._background.pending:
                 self._collect()
-            end = self.flat.param_data[:0]
+            end = self.flat.state_data[:0]
             for peer in self.peers:
                 p2p.send(self._comm, end, peer)
         elif self._server is not None:
@@ -253,7 +253,7 @@ class _Server:
 
     def _run(self) -> None:
         algo = self.algo
-        comm, x, lock = algo._comm, algo.flat.param_data, algo._lock
+        comm, x, lock = algo._comm, algo.flat.state_data, algo._lock
         theirs = scratch(x, x.shape[0])
         status, backoff = MPI.Status(), p2p.Backoff()
         while not self._stopping:

@@ -87,7 +87,7 @@ class Algorithm(ABC):
         optimizer: the local optimizer over the model's parameters (a torch
             optimizer, or :class:`algorithms.optim.SGD` for numpy).
         comm: the workers' communicator (default ``MPI.COMM_WORLD``).
-        broadcast_init: start every worker from rank 0's parameters.
+        broadcast_init: start every worker from rank 0's parameters (and buffers).
         validate: check the configuration across ranks at construction
             (None: the collectives' default, on unless ``MPIDL_VALIDATE=0``).
 
@@ -146,12 +146,19 @@ class Algorithm(ABC):
         gpu.ensure(context(self.comm).comm, as_flat(self.flat.params))  # a device model: pick the transport now
         self._start()
         if broadcast_init:
-            collectives.broadcast(self.flat.params, self.comm, validate=False)
+            collectives.broadcast(self.flat.state, self.comm, validate=False)
 
     @property
     def params(self) -> Any:
         """The flat parameter buffer (a 1-D torch tensor or numpy view aliasing the model)."""
         return self.flat.params
+
+    @property
+    def state(self) -> Any:
+        """The flat state buffer: the parameters followed by the model's float buffers
+        (e.g. BatchNorm statistics), or :attr:`params` itself when it has none
+        (:mod:`algorithms.flat`)."""
+        return self.flat.state
 
     @property
     def grads(self) -> Any:

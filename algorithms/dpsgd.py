@@ -87,5 +87,5 @@ class DPSGD(Algorithm):
 
     def _step(self) -> None:
         with self._communicating():
-            neighbor_allreduce(self.flat.params, self._row, self.comm, validate=False)
+            neighbor_allreduce(self.flat.state, self._row, self.comm, validate=False)
         self.optimizer.step()

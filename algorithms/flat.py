@@ -12,19 +12,40 @@ flat buffer each, so a collective runs on the whole model in place:
   an optimizer built on ``model.parameters()`` keeps working, momentum and
   all; ``loss.backward()`` accumulates into the flat gradient in place.
   Parameters are taken in ``model.parameters()`` order; they must share one
-  floating dtype and device. Buffers (e.g. BatchNorm statistics) are not
-  included. ``optimizer.zero_grad()`` (which sets grads to None) breaks the
-  aliasing for a step; :meth:`FlatParams.collect_grads` repairs it with one
-  copy, and zeroing with ``zero_grad(set_to_none=False)`` or
-  :meth:`FlatParams.zero_grad` avoids the copy.
+  floating dtype and device. ``optimizer.zero_grad()`` (which sets grads to
+  None) breaks the aliasing for a step; :meth:`FlatParams.collect_grads`
+  repairs it with one copy, and zeroing with ``zero_grad(set_to_none=False)``
+  or :meth:`FlatParams.zero_grad` avoids the copy.
 * numpy: the parameter array is the flat buffer (viewed 1-D) and the
   optimizer's ``grad`` array (:class:`algorithms.optim.SGD`) the flat
   gradient.
+
+The model's *state* is what a worker's model is beyond its gradients: the
+parameters and the floating-point buffers that the forward pass updates, such
+as BatchNorm's running mean and variance. For torch models the buffers of the
+parameters' dtype and device (in ``model.buffers()`` order) are re-pointed,
+like the parameters, into one flat state buffer laid out as
+[parameters | buffers], of which the flat parameter buffer is the head; other
+buffers (BatchNorm's int64 ``num_batches_tracked``, buffers of another dtype)
+stay where they are, local to the worker. Without such buffers, and for numpy
+models, the state is the parameters.
+
+What the algorithms do with the buffers follows from what they average:
+
+* algorithms that average *models* (D-PSGD, AD-PSGD, GR-SGD, Prague)
+  average the whole state, so a worker's statistics are mixed with its
+  neighbours' exactly as its parameters are, and stay consistent with them;
+* algorithms that average *gradients* (AllReduce-SGD, LSGD) keep the buffers
+  local: every worker's parameters are the same, its statistics are those of
+  its own data, and the model evaluated as "the average" averages them (as
+  DDP evaluates with one worker's, and Horovod without SyncBatchNorm with each
+  worker's own).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,21 +56,30 @@ from .optim import SGD
 
 
 class FlatParams:
-    """Parameters and gradients of one model, each one contiguous buffer.
+    """Parameters, gradients and state of one model, each one contiguous buffer.
 
     Attributes:
         params: the flat parameter buffer as the caller's kind (a 1-D torch
             tensor, or a 1-D view of the numpy parameter array).
         grads: the flat gradient buffer, same kind, length and dtype.
-        param_data: ``params`` as a 1-D numpy array (shares memory).
-        grad_data: ``grads`` as a 1-D numpy array (shares memory).
+        state: the flat state buffer [parameters | buffers] (module
+            docstring), ``params`` itself when the model has no buffers.
+        param_data, grad_data, state_data: ``params``, ``grads`` and
+            ``state`` as 1-D arrays of the array module (share memory).
         dtype: the logical dtype name (e.g. "float32").
     """
 
-    def __init__(self, params: Any, grads: Any) -> None:
+    def __init__(self, params: Any, grads: Any, state: Any = None) -> None:
         self.params, self.grads = params, grads
+        self.state = params if state is None else state
         flat_p, flat_g = as_flat(params), as_flat(grads)
         self.param_data, self.grad_data, self.dtype = flat_p.data, flat_g.data, flat_p.dtype
+        self.state_data = self.param_data if state is None else as_flat(state).data
+
+    @property
+    def has_buffers(self) -> bool:
+        """Whether the state holds buffers beyond the parameters."""
+        return self.state is not self.params
 
     @property
     def size(self) -> int:
@@ -75,9 +105,10 @@ class FlatParams:
 
 
 class TorchFlatParams(FlatParams):
-    """:class:`FlatParams` of a torch model; ``tensors`` are its parameters in order."""
+    """:class:`FlatParams` of a torch model; ``tensors`` are its parameters in order,
+    ``buffers`` its (module, name, buffer) triples whose buffers join the state."""
 
-    def __init__(self, tensors: list) -> None:
+    def __init__(self, tensors: list, buffers: Sequence[tuple[Any, str, Any]] = ()) -> None:
         import torch
 
         dtypes = {p.dtype for p in tensors}
@@ -91,7 +122,9 @@ class TorchFlatParams(FlatParams):
         if not dtype.is_floating_point:
             raise ArgumentError(f"parameters must be floating point, got {dtype}")
         total = sum(p.numel() for p in tensors)
-        params = torch.empty(total, dtype=dtype, device=device)
+        extra = [(m, name, b) for m, name, b in buffers if b.dtype == dtype and b.device == device]
+        state = torch.empty(total + sum(b.numel() for _, _, b in extra), dtype=dtype, device=device)
+        params = state[:total]
         grads = torch.zeros(total, dtype=dtype, device=device)
         self.views: list[tuple[Any, Any]] = []  # (parameter, its gradient view)
         offset = 0
@@ -106,7 +139,13 @@ class TorchFlatParams(FlatParams):
                 p.grad = grad
                 self.views.append((p, grad))
                 offset += n
-        super().__init__(params, grads)
+            for module, name, b in extra:
+                n = b.numel()
+                view = state[offset : offset + n].view_as(b)
+                view.copy_(b)
+                setattr(module, name, view)  # a registered buffer: nn.Module keeps it registered
+                offset += n
+        super().__init__(params, grads, state if extra else None)
 
     def new_buffer(self) -> FlatBuffer:
         import torch
@@ -156,9 +195,15 @@ def flatten(model: Any, optimizer: Any) -> FlatParams:
     tensors = list(model.parameters())
     if not tensors:
         raise ArgumentError("the model has no parameters")
+    buffers = [
+        (module, name, b)
+        for module in model.modules()
+        for name, b in module.named_buffers(recurse=False)
+        if b is not None and b.is_floating_point()
+    ]
     held = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
     if {id(p) for p in held} != {id(p) for p in tensors} or len(held) != len(tensors):
         raise ArgumentError(
             "the optimizer must hold exactly the model's parameters (e.g. torch.optim.SGD(model.parameters(), ...))"
         )
-    return TorchFlatParams(tensors)
+    return TorchFlatParams(tensors, buffers)

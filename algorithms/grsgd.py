@@ -113,7 +113,7 @@ class GRSGD(Algorithm):
 
     def _start(self) -> None:
         self._comm = self.comm.Dup()
-        self._edges = {peer: _Edge(self.flat.param_data, self.flat.dtype) for peer in self.peers}
+        self._edges = {peer: _Edge(self.flat.state_data, self.flat.dtype) for peer in self.peers}
 
     @property
     def exchanges(self) -> dict[int, int]:
@@ -137,7 +137,7 @@ class GRSGD(Algorithm):
 
     def _begin(self, peer: int, edge: _Edge) -> None:
         """Start an exchange with ``peer``: snapshot x, post the send and the receive."""
-        array_module(edge.snapshot).copyto(edge.snapshot, self.flat.param_data)
+        array_module(edge.snapshot).copyto(edge.snapshot, self.flat.state_data)
         edge.pending = [p2p.irecv(self._comm, edge.theirs, peer), p2p.isend(self._comm, edge.snapshot, peer)]
         edge.started += 1
 
@@ -149,7 +149,7 @@ class GRSGD(Algorithm):
 
     def _apply(self, edge: _Edge) -> None:
         """x += w (theirs - snapshot), in float32 for half precision."""
-        x, w = self.flat.param_data, self.weight
+        x, w = self.flat.state_data, self.weight
         if edge.work is not None:  # half precision
             acc, term = edge.work
             widen(edge.theirs, term, self.flat.dtype)

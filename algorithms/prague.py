@@ -102,7 +102,7 @@ class Prague(Algorithm):
 
     def _start(self) -> None:
         # The options were checked in _configure and across ranks by the set-up check.
-        self.preduce = PReduce(self.flat.params, self.comm, validate=False, **self.options)
+        self.preduce = PReduce(self.flat.state, self.comm, validate=False, **self.options)
 
     @property
     def stats(self) -> PReduceStats:

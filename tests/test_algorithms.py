@@ -389,3 +389,56 @@ def test_registry_and_factory() -> None:
     assert all(cls.name == name for name, cls in algorithms.ALGORITHMS.items())
     with pytest.raises(ValueError, match="unknown algorithm 'gossip'"):
         algorithms.create("gossip", np.zeros(2), SGD(np.zeros(2), lr=0.1))
+
+
+#: One configuration of every algorithm, for the BatchNorm statistics test.
+EVERY_ALGORITHM = {
+    "allreduce": {"algorithm": "ring"},
+    "lsgd": {"layout": 2, "algorithm": "ring"},
+    "dpsgd": {"topology": "full"},
+    "adpsgd": {},
+    "grsgd": {"max_lead": 0},
+    "prague": {"policy": "static", "group_size": 4},
+}
+
+
+@pytest.mark.parametrize("name", list(EVERY_ALGORITHM))
+def test_batchnorm_statistics_follow_what_the_algorithm_averages(name: str) -> None:
+    """BatchNorm's running statistics live in the flat state after the parameters. Rank r
+    gives them the value r (and its parameters, with lr 0, stay put): the model-averaging
+    algorithms mix them like the parameters, so the sum over workers is kept and the
+    synchronous full graph (D-PSGD) reaches the mean in one step; the gradient-averaging
+    ones leave every worker's own. The int64 batch counter stays out of the state."""
+    torch = pytest.importorskip("torch")
+    comm = comm_of_size(4)
+    if comm is None:
+        return
+    rank = comm.Get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)).double()
+    bn = model[1]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with algorithms.create(name, model, opt, comm, **EVERY_ALGORITHM[name]) as algo:
+        flat = algo.flat
+        n_params = sum(p.numel() for p in model.parameters())
+        ok = flat.has_buffers and algo.state.numel() == n_params + 8 and torch.equal(algo.state[:n_params], algo.params)
+        ok &= bn.running_mean.data_ptr() == algo.state[n_params:].data_ptr()  # re-pointed, still registered
+        ok &= "running_mean" in dict(bn.named_buffers()) and bn.num_batches_tracked.dtype == torch.int64
+        with torch.no_grad():
+            bn.running_mean.fill_(rank)
+            bn.running_var.fill_(10 * rank)
+        steps = 4 if algo.uneven_steps else 1
+        for _ in range(steps):
+            algo.zero_grad()
+            algo.step()
+        algo.settle()
+        means = np.array(comm.allgather(bn.running_mean.numpy().copy()))
+        variances = np.array(comm.allgather(bn.running_var.numpy().copy()))
+    if name in ("allreduce", "lsgd"):
+        ok &= np.array_equal(means[:, 0], np.arange(4.0)) and np.array_equal(variances[:, 0], 10 * np.arange(4.0))
+    else:
+        ok &= np.isclose(means.sum(), 4 * 6.0) and np.isclose(variances.sum(), 4 * 60.0)  # the sum is kept
+        ok &= not np.array_equal(means[:, 0], np.arange(4.0))  # and they were averaged
+        if name == "dpsgd":
+            ok &= np.allclose(means, 1.5) and np.allclose(variances, 15.0)
+    assert all_ok(comm, ok), (means[:, 0], variances[:, 0])

@@ -142,3 +142,30 @@ def test_sgd_rejects_bad_hyper_parameters() -> None:
         SGD(np.zeros(2), lr=-1.0)
     with pytest.raises(TypeError, match="floating-point"):
         SGD(np.zeros(2, np.int64), lr=0.1)
+
+
+def test_float_buffers_join_the_state_after_the_parameters() -> None:
+    """BatchNorm's running statistics are re-pointed into the flat state, after the
+    parameters; its int64 counter stays local; training mode updates them in place."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    bn = model[1]
+    mean0, var0 = bn.running_mean.clone(), bn.running_var.clone()
+    flat = flatten(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    n = sum(p.numel() for p in model.parameters())
+    assert flat.has_buffers and flat.state.numel() == n + 8 and flat.params.data_ptr() == flat.state.data_ptr()
+    assert torch.equal(flat.state[n:], torch.cat([mean0, var0]))
+    assert dict(model.named_buffers())["1.running_mean"] is bn.running_mean and aliases(bn.running_var, flat.state)
+    assert not aliases(bn.num_batches_tracked, flat.state)
+    model(torch.randn(5, 3, dtype=torch.float64))  # training mode: the statistics move, inside the state
+    assert not torch.equal(flat.state[n : n + 4], mean0) and torch.equal(flat.state[n : n + 4], bn.running_mean)
+    assert np.array_equal(flat.state_data, flat.state.numpy())
+
+
+def test_without_buffers_the_state_is_the_parameters() -> None:
+    model = small_model()
+    flat = flatten(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not flat.has_buffers and flat.state is flat.params and flat.state_data is flat.param_data
+    x = np.zeros(4)
+    numpy_flat = flatten(x, SGD(x, lr=0.1))
+    assert numpy_flat.state is numpy_flat.params and not numpy_flat.has_buffers
