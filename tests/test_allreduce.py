@@ -9,6 +9,8 @@ from mpi4py import MPI
 from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
 
 import collectives
+from collectives import GroupComm
+from collectives.transport import p2p
 
 pytestmark = pytest.mark.mpi
 
@@ -106,3 +108,34 @@ def test_user_messages_do_not_mix_with_collective_messages() -> None:
     got = comm.recv(source=(r - 1) % n, tag=0x6D70)
     req.wait()
     assert all_ok(comm, got == ("user", (r - 1) % n) and bool(np.all(x == n * (n - 1) // 2)))
+
+
+def test_bytes_are_counted_by_world_rank_of_the_destination() -> None:
+    """On a communicator whose ranks are the world's in reverse order, a ring all-reduce
+    sends 2(p-1)/p of the vector to the right neighbour only, counted under that
+    neighbour's world rank; a P-Reduce group of two sends to its partner's world rank."""
+    world = MPI.COMM_WORLD
+    p, me = world.Get_size(), world.Get_rank()
+    reverse = world.Split(0, p - me)  # rank r of reverse is world rank p-1-r
+    try:
+        x = np.ones(12 * p, np.float32)
+        before = p2p.bytes_by_peer()
+        collectives.allreduce(x, reverse, algorithm="ring", validate=False)
+        after = p2p.bytes_by_peer()
+        sent = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+        right = p - 1 - ((reverse.Get_rank() + 1) % p)  # the world rank of the ring's right neighbour
+        expected = {right: 2 * (p - 1) * x.nbytes // p} if p > 1 else {}
+        ok = sent == expected and p2p.world_ranks(reverse)[reverse.Get_rank()] == me
+        if p >= 2 and me < 2:  # world ranks 0 and 1 as group ranks 1 and 0
+            pair, y = GroupComm(reverse, [p - 2, p - 1]), np.zeros(5, np.float64)
+            before = p2p.bytes_by_peer()
+            if me == 0:
+                p2p.send(pair, y, 0)
+            else:
+                p2p.recv(pair, y, 1)
+            after = p2p.bytes_by_peer()
+            ok &= pair.world_ranks() == (1, 0)
+            ok &= after.get(1, 0) - before.get(1, 0) == (40 if me == 0 else 0)
+    finally:
+        reverse.Free()
+    assert all_ok(world, ok), (sent, expected)

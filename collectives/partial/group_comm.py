@@ -22,6 +22,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ..errors import ArgumentError
+from ..transport import p2p
 
 
 class GroupComm:
@@ -32,7 +33,7 @@ class GroupComm:
     the group).
     """
 
-    __slots__ = ("_rank", "comm", "members")
+    __slots__ = ("_rank", "_world", "comm", "members")
 
     def __init__(self, comm: MPI.Comm, members: Sequence[int]) -> None:
         self.comm = comm
@@ -41,6 +42,7 @@ class GroupComm:
         if me not in self.members:
             raise ArgumentError(f"rank {me} is not a member of the group {self.members}")
         self._rank = self.members.index(me)
+        self._world: tuple[int, ...] | None = None
 
     def Get_rank(self) -> int:
         return self._rank
@@ -65,6 +67,13 @@ class GroupComm:
 
     def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: Any = None) -> None:
         self.comm.Recv(buf, self._parent(source), tag, status)
+
+    def world_ranks(self) -> tuple[int, ...]:
+        """The ``MPI_COMM_WORLD`` rank of every member, in group order (for byte counts by peer)."""
+        if self._world is None:
+            parent = p2p.world_ranks(self.comm)
+            self._world = tuple(parent[m] for m in self.members)
+        return self._world
 
     def Get_group(self) -> MPI.Group:
         return self.comm.Get_group().Incl(list(self.members))

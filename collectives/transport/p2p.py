@@ -24,11 +24,15 @@ default), which would add up to that to every reply; :func:`prompt_threads`
 lowers the interval, and every service thread calls it when it starts.
 
 Every blocking call marks the thread as waiting on its peers for the stall
-inspector (:mod:`collectives.transport.watchdog`). Every payload byte sent through this
-module is counted per thread
-(:func:`bytes_sent`), so training algorithms can report their traffic exactly.
-The shared-memory all-reduce (:mod:`collectives.kernels.shm`) counts the bytes each
-rank copies into the shared segment for its peers (:func:`count_sent`). The
+inspector (:mod:`collectives.transport.watchdog`). Every payload byte sent
+through this module is counted per thread (:func:`bytes_sent`), so training
+algorithms can report their traffic exactly, and per destination for the
+whole process (:func:`bytes_by_peer`, keyed by ``MPI_COMM_WORLD`` rank, for
+any communicator, sub-communicator or P-Reduce group), so that the bytes that
+cross nodes can be told from those that stay inside one. The shared-memory
+all-reduce (:mod:`collectives.kernels.shm`) counts the bytes each rank copies
+into the shared segment for its peers (:func:`count_sent`; destination
+:data:`SHARED_MEMORY`). The
 argument check's messages (:mod:`collectives.validation`), and the small
 butterfly all-reduces that ride in them, bypass this module and are not
 counted; the training algorithms run their steps unchecked, so their counts
@@ -75,12 +79,26 @@ class Transport(Protocol):
 DEVICE_TRANSPORTS: dict[type, Transport] = {}
 
 
+#: The destination under which :func:`bytes_by_peer` counts bytes copied through shared memory.
+SHARED_MEMORY = -1
+
+
 class _Sent(threading.local):
+    """What one thread sent: in all, and by destination (world rank)."""
+
     total = 0
     slot: watchdog.Slot | None = None
 
+    def __init__(self) -> None:
+        self.by_peer: dict[int, int] = {}
+        with _threads_lock:
+            _threads.append(self.by_peer)
 
+
+_threads: list[dict[int, int]] = []  # every thread's by_peer, also of threads that ended
+_threads_lock = threading.Lock()
 _sent = _Sent()
+_WORLD_RANKS = MPI.Comm.Create_keyval()  # attribute: the world rank of each rank of a communicator
 _clock = time.perf_counter
 
 
@@ -107,14 +125,45 @@ def bytes_sent() -> int:
     return _sent.total
 
 
+def bytes_by_peer() -> dict[int, int]:
+    """Payload bytes every thread of this process has sent, by destination: the
+    destination's rank in ``MPI_COMM_WORLD``, or :data:`SHARED_MEMORY`."""
+    out: dict[int, int] = {}
+    with _threads_lock:
+        tables = [dict(t) for t in _threads]  # dict() copies atomically under the GIL
+    for table in tables:
+        for peer, n in table.items():
+            out[peer] = out.get(peer, 0) + n
+    return out
+
+
 def count_sent(nbytes: int) -> None:
     """Count ``nbytes`` this thread handed to its peers another way (through shared memory)."""
+    _count(SHARED_MEMORY, nbytes)
+
+
+def world_ranks(comm: Any) -> Sequence[int]:
+    """The ``MPI_COMM_WORLD`` rank of every rank of ``comm``, cached on the
+    communicator (a group of ranks that is no communicator translates its own)."""
+    if not isinstance(comm, MPI.Comm):
+        return comm.world_ranks()
+    table: Sequence[int] | None = comm.Get_attr(_WORLD_RANKS)  # type: ignore[assignment]  # what Set_attr stored
+    if table is None:
+        table = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), MPI.COMM_WORLD.Get_group())
+        comm.Set_attr(_WORLD_RANKS, table)
+    return table
+
+
+def _count(dest: int, nbytes: int) -> None:
+    """Count ``nbytes`` sent to ``dest`` (a world rank) by this thread."""
     _sent.total += nbytes
+    by_peer = _sent.by_peer
+    by_peer[dest] = by_peer.get(dest, 0) + nbytes
 
 
 def sendrecv(comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None:
     """Send ``send`` to ``dest`` while receiving exactly ``recv``'s size into it from ``source``."""
-    _sent.total += send.nbytes
+    _count(world_ranks(comm)[dest], send.nbytes)
     s = watch(comm, (dest, source))
     try:
         if type(send) is np.ndarray:
@@ -127,7 +176,7 @@ def sendrecv(comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> No
 
 def send(comm: MPI.Comm, buf: Any, dest: int) -> None:
     """Send ``buf`` to ``dest`` (blocking)."""
-    _sent.total += buf.nbytes
+    _count(world_ranks(comm)[dest], buf.nbytes)
     s = watch(comm, (dest,))
     try:
         if type(buf) is np.ndarray:
@@ -152,7 +201,7 @@ def recv(comm: MPI.Comm, buf: Any, source: int) -> None:
 
 def isend(comm: MPI.Comm, buf: Any, dest: int) -> Pending:
     """Start sending ``buf`` to ``dest``; ``buf`` must stay unchanged until waited on."""
-    _sent.total += buf.nbytes
+    _count(world_ranks(comm)[dest], buf.nbytes)
     if type(buf) is np.ndarray:
         return comm.Isend([buf, _BYTE], dest, TAG)
     return DEVICE_TRANSPORTS[type(buf)].isend(comm, buf, dest)
