@@ -30,6 +30,8 @@ setup(
         "cupy": ["cupy-cuda12x"],
         # The linter, formatter and type checker CI runs (ruff.toml, mypy.ini), pinned so that all agree.
         "lint": ["ruff==0.17.6", "mypy==2.4.1"],
+        # tests/doc_commands.py checks README.rst and docs/ as reStructuredText with docutils.
+        "docs": ["docutils>=0.18"],
     },
     entry_points={"console_scripts": ["mpidl = mpidl.cli:main"]},
     classifiers=[

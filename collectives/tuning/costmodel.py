@@ -1,4 +1,4 @@
-"""Predicted all-reduce times, their calibration, and automatic choice.
+"""Predicted all-reduce times and automatic choice (a pure model; calibration.py measures it).
 
 Model: a message of b bytes over a link costs alpha + b * beta, and reducing b
 bytes costs b * gamma. Links inside a node and between nodes have their own
