@@ -56,7 +56,8 @@ DEFAULT_TIMEOUT = 120.0
 _MARKER = re.compile(r"^\s*\.\. check:\s*(.*?)\s*$")
 _CODE_DIRECTIVE = re.compile(r"^\s*\.\. (?:code-block|code|sourcecode)::\s*(\S*)\s*$")
 _UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1{2,}\s*$")
-_LINK = re.compile(r"`[^`<]*<([^>`]+)>`__?")
+#: A hyperlink with its target: `text <target>`_ or, anonymous, `text <target>`__.
+LINK = re.compile(r"`[^`<]*<([^>`]+)>`__?")
 
 
 class DocError(Exception):
@@ -241,7 +242,7 @@ def link_problems(path: Path) -> list[str]:
     """Relative links that lead nowhere: a missing file, or a section the target page lacks."""
     problems = []
     text = path.read_text(encoding="utf-8")
-    for m in _LINK.finditer(text):
+    for m in LINK.finditer(text):
         target = m.group(1).strip()
         if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
             continue

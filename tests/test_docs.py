@@ -30,6 +30,16 @@ def test_pages_are_valid_rst(page: Path) -> None:
     assert doc_commands.rst_problems(page) == []
 
 
+def test_index_lists_every_page() -> None:
+    """A new page of docs/ is reachable from the manual's table of contents."""
+    index = ROOT / "docs" / "index.rst"
+    linked = {
+        (index.parent / m.group(1).partition("#")[0]).resolve() for m in doc_commands.LINK.finditer(index.read_text())
+    }
+    missing = [p.name for p in PAGES if p.parent == index.parent and p != index and p.resolve() not in linked]
+    assert missing == []
+
+
 def test_readme_is_a_front_door() -> None:
     """Short, and the README's commands include the install, the first run, the main job and the tests."""
     text = (ROOT / "README.rst").read_text()
