@@ -182,13 +182,28 @@ def test_workers_step_at_their_own_speed_with_a_straggler(
 
     The overshoot is a step or so per worker on an idle machine; with 4 ranks on 2 cores
     rank 0's counting thread waits for a core, and 13 steps were seen: the bound is half
-    an epoch."""
+    an epoch. The hidden layers make a step long enough (an epoch ~0.1 s) that the
+    operating system's time slices do not decide the run: with a 64-16-10 MLP an epoch
+    took 50 ms, a worker could go unscheduled for all of it, another take 91 steps of a
+    48-step epoch alone, and the models drifted apart (consensus 0.39 seen in CI)."""
     out = tmp_path_factory.mktemp("straggler")
     paths = {name: out / f"{name}.json" for name in ("allreduce", algorithm)}
     for name, path in paths.items():
         extra = ["--collective", "ring"] if name == "allreduce" else []
         rc, _stdout, stderr = train(
-            4, "--algorithm", name, *extra, "--backend", "numpy", "--slow", "3:20", "--json", str(path), *QUICK
+            4,
+            "--algorithm",
+            name,
+            *extra,
+            "--backend",
+            "numpy",
+            "--slow",
+            "3:20",
+            "--json",
+            str(path),
+            *QUICK,
+            "--hidden",
+            "512,512",
         )
         assert rc == 0, stderr
     run = read(paths[algorithm])
