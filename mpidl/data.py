@@ -14,6 +14,10 @@ as float32, labels int64:
   ``--data-dir``, by default :data:`FASHION_MNIST_DIR` (where the Debian
   package ``dataset-fashion-mnist`` puts them). Its own 60,000/10,000 split.
 
+Subsets (``--train-samples``, ``--test-samples``; :meth:`Dataset.subset`):
+the first N samples of each split in a fixed order, the same for every run,
+for quick runs of the larger models.
+
 Sharding (:func:`shard`): the training samples are permuted once with the
 training seed and cut into n nearly equal contiguous parts, one per worker
 (``numpy.array_split``): disjoint, covering, sizes differing by at most one.
@@ -69,6 +73,7 @@ class Dataset:
         y_train, y_test: class labels, int64.
         classes: number of classes.
         pixel_max: the raw pixels' full scale (16 for digits, 255 for Fashion-MNIST).
+        shape: the image shape (channels, height, width) of a sample's features.
     """
 
     name: str
@@ -78,11 +83,30 @@ class Dataset:
     y_test: np.ndarray
     classes: int
     pixel_max: float
+    shape: tuple[int, int, int]
 
     @property
     def features(self) -> int:
         """Number of features per sample."""
         return int(self.x_train.shape[1])
+
+    def subset(self, train: int | None = None, test: int | None = None) -> Dataset:
+        """The dataset cut to its first ``train`` training and ``test`` test samples in an
+        order fixed by :data:`SPLIT_SEED` (None: all), the same for every run.
+
+        Raises:
+            DatasetError: a count below 1 or above what the dataset has.
+        """
+        parts = {}
+        for split, count in (("train", train), ("test", test)):
+            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+            if count is not None:
+                if not 1 <= count <= len(y):
+                    raise DatasetError(f"{self.name} has {len(y)} {split} samples; cannot take {count}")
+                keep = np.sort(np.random.default_rng([SPLIT_SEED, len(y)]).permutation(len(y))[:count])
+                x, y = x[keep], y[keep]
+            parts[f"x_{split}"], parts[f"y_{split}"] = x, y
+        return replace(self, **parts)
 
     def normalized(self) -> Dataset:
         """The dataset with float32 features in [0, 1]."""
@@ -106,7 +130,7 @@ def load_digits() -> Dataset:
     x_tr, x_te, y_tr, y_te = train_test_split(
         x.astype(np.uint8), y.astype(np.int64), test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y
     )
-    return Dataset("digits", x_tr, y_tr, x_te, y_te, classes=10, pixel_max=16.0)
+    return Dataset("digits", x_tr, y_tr, x_te, y_te, classes=10, pixel_max=16.0, shape=(1, 8, 8))
 
 
 def load_fashion_mnist(data_dir: str | None = None) -> Dataset:
@@ -129,6 +153,7 @@ def load_fashion_mnist(data_dir: str | None = None) -> Dataset:
         y_te.astype(np.int64),
         classes=10,
         pixel_max=255.0,
+        shape=(1, int(x_tr.shape[1]), int(x_tr.shape[2])),
     )
 
 

@@ -6,11 +6,15 @@ nothing the training uses: no parameter, gradient, optimizer state, counter
 or random generator; its time is not counted as training time.
 
 * The **averaged model** x_bar = (1/n) sum_i x_i is computed with an
-  all-reduce (average) of copies of the workers' flat parameters, and tested.
-* Each worker tests its **own model** x_i; the worst of these is reported.
-* The **consensus distance** is (1/n) sum_i ||x_i - x_bar||^2 / ||x_bar||^2:
-  0 when all workers hold the same model (AllReduce-SGD, LSGD), small when
-  a decentralized algorithm keeps them close.
+  all-reduce (average) of copies of the workers' flat states — parameters and
+  BatchNorm statistics (:mod:`algorithms.flat`) — and tested; its bits are the
+  same on every worker, so each tests a 1/n slice of the test set and the
+  sums are added up.
+* Each worker tests its **own model** x_i (its own state) on the whole test
+  set; the worst of these is reported.
+* The **consensus distance** is (1/n) sum_i ||x_i - x_bar||^2 / ||x_bar||^2
+  over the parameters: 0 when all workers hold the same parameters
+  (AllReduce-SGD, LSGD), small when a decentralized algorithm keeps them close.
 
 One JSON record per epoch (:func:`measure`); accuracies are fractions in
 [0, 1], times seconds, counters cumulative since the start of training:
@@ -58,13 +62,13 @@ from mpi4py import MPI
 import collectives
 
 from . import plotting
-from .models import MLP
+from .models import Model
 
 
 def measure(
     epoch: int,
     algo: Any,
-    net: MLP,
+    net: Model,
     x_test: Any,
     y_test: Any,
     comm: MPI.Comm,
@@ -81,12 +85,16 @@ def measure(
     far and this epoch's.
     """
     t0 = time.perf_counter()
-    average = collectives.allreduce(net.copy(algo.params), comm, "avg", "ring")
-    test_loss, test_acc = net.evaluate(average, x_test, y_test)
-    _, own_acc = net.evaluate(algo.params, x_test, y_test)
-    distance, norm = net.squared_norms(algo.params, average)
+    rank, n, total = comm.Get_rank(), comm.Get_size(), len(y_test)
+    average = collectives.allreduce(net.copy(algo.state), comm, "avg", "ring")
+    part = slice(rank * total // n, (rank + 1) * total // n)
+    avg_loss, avg_correct = net.evaluate(average, x_test[part], y_test[part])
+    _, own_correct = net.evaluate(algo.state, x_test, y_test)
+    distance, norm = net.squared_norms(algo.params, average[: algo.flat.size])
     mine = (
-        own_acc,
+        avg_loss,
+        avg_correct,
+        own_correct / total,
         distance / norm if norm else 0.0,
         loss_sum,
         steps,
@@ -96,8 +104,8 @@ def measure(
         time_s,
         epoch_s,
     )
-    acc, consensus, losses, taken, iterations, sent, wait, times, epoch_times = map(list, zip(*comm.allgather(mine)))
-    n = len(acc)
+    columns = map(list, zip(*comm.allgather(mine)))
+    avg_losses, avg_corrects, acc, consensus, losses, taken, iterations, sent, wait, times, epoch_times = columns
     per_step = [b / max(i, 1) for b, i in zip(sent, iterations)]
     return {
         "epoch": epoch,
@@ -106,8 +114,8 @@ def measure(
         "eval_s": time.perf_counter() - t0,
         "train_loss": sum(losses) / max(sum(taken), 1),
         "steps": sum(taken),
-        "test_loss": test_loss,
-        "test_acc": test_acc,
+        "test_loss": sum(avg_losses) / total,
+        "test_acc": sum(avg_corrects) / total,
         "test_acc_worst": min(acc),
         "test_acc_mean": sum(acc) / n,
         "consensus": sum(consensus) / n,

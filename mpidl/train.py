@@ -2,11 +2,12 @@
 
     mpiexec -n 4 mpidl train --algorithm dpsgd --topology ring
 
-Every rank is a worker. Each trains an MLP (:mod:`mpidl.models`) on its own
-shard of the training set (:mod:`mpidl.data`), one batch per step: it zeroes
-its gradients, runs the forward and backward pass, and calls the algorithm's
-``step()`` (:mod:`algorithms`), which communicates and applies SGD with
-momentum. After every epoch the workers evaluate together
+Every rank is a worker. Each trains a model (:mod:`mpidl.models`: an MLP, a
+LeNet-5 or a ResNet-8) on its own shard of the training set
+(:mod:`mpidl.data`), one batch per step: it zeroes its gradients, runs the
+forward and backward pass, and calls the algorithm's ``step()``
+(:mod:`algorithms`, or a peer of :mod:`mpidl.peers` such as PyTorch DDP),
+which communicates and applies SGD with momentum. After every epoch the workers evaluate together
 (:mod:`mpidl.metrics`); rank 0 prints one line per epoch on stdout, shows a
 progress bar on stderr, and at the end writes ``--json`` and ``--plot``.
 
@@ -53,7 +54,8 @@ import algorithms
 import collectives
 from algorithms.topology import TOPOLOGIES, WEIGHTS, Topology
 
-from . import __version__, checkpoint, data, metrics, models, pacing, plotting
+from . import __version__, checkpoint, data, metrics, models, pacing, peers, plotting
+from .models.torch_model import TorchModel
 
 T = TypeVar("T")
 
@@ -156,6 +158,9 @@ class TrainConfig:
     options: dict[str, Any] = field(default_factory=dict)
     dataset: str = "digits"
     data_dir: str | None = None
+    train_samples: int | None = None
+    test_samples: int | None = None
+    model: str = "mlp"
     hidden: tuple[int, ...] = (64,)
     epochs: int = 20
     batch_size: int = 32
@@ -206,8 +211,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--algorithm",
         default=defaults.algorithm,
-        choices=list(algorithms.ALGORITHMS),
-        help=f"training algorithm (default {defaults.algorithm})",
+        choices=[*algorithms.ALGORITHMS, *peers.PEERS],
+        help=f"training algorithm, or a peer in the same harness (ddp: PyTorch DDP over gloo; "
+        f"default {defaults.algorithm})",
     )
     for opt in ALGORITHM_OPTIONS:
         g.add_argument(
@@ -227,11 +233,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--data-dir", metavar="DIR", help="folder of the dataset's files")
     g.add_argument(
+        "--train-samples", type=_positive_int, metavar="N", help="train on the first N samples only (default all)"
+    )
+    g.add_argument(
+        "--test-samples", type=_positive_int, metavar="N", help="test on the first N samples only (default all)"
+    )
+    g.add_argument(
+        "--model",
+        default=defaults.model,
+        choices=models.MODELS,
+        help="mlp (--hidden), lenet (LeNet-5) or resnet (ResNet-8 with BatchNorm); the CNNs need torch "
+        f"(default {defaults.model})",
+    )
+    g.add_argument(
         "--hidden",
         type=_sizes,
         default=defaults.hidden,
         metavar="N[,N...]",
-        help="hidden layer sizes, '' for none (default 64)",
+        help="the MLP's hidden layer sizes, '' for none (default 64)",
     )
     g.add_argument(
         "--backend",
@@ -328,6 +347,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         options=algorithm_options(args),
         dataset=args.dataset,
         data_dir=args.data_dir,
+        train_samples=args.train_samples,
+        test_samples=args.test_samples,
+        model=args.model,
         hidden=args.hidden,
         epochs=args.epochs,
         batch_size=args.batch_size,
@@ -378,7 +400,7 @@ def _set_threads(threads: int, backend: str) -> None:
         torch.set_num_threads(threads)
 
 
-def _setup(config: TrainConfig, local: MPI.Comm, sizes: tuple[int, ...]) -> tuple[models.MLP, int]:
+def _setup(config: TrainConfig, local: MPI.Comm, dataset: data.Dataset) -> tuple[models.Model, int]:
     """This worker's model (with its optimizer) and thread count; local checks only."""
     threads = config.threads or max(1, (os.cpu_count() or 1) // local.Get_size())
     device = config.device
@@ -386,7 +408,15 @@ def _setup(config: TrainConfig, local: MPI.Comm, sizes: tuple[int, ...]) -> tupl
         import torch
 
         device = f"cuda:{local.Get_rank() % max(1, torch.cuda.device_count())}"
-    net = models.make(config.backend, sizes, config.seed, device)
+    net = models.make(
+        config.model,
+        dataset.shape,
+        dataset.classes,
+        hidden=config.hidden,
+        backend=config.backend,
+        seed=config.seed,
+        device=device,
+    )
     _set_threads(threads, net.backend)
     net.make_optimizer(config.lr, config.momentum)
     return net, threads
@@ -420,18 +450,21 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
             f"{' and '.join(CHECKPOINTABLE)}; {config.algorithm} keeps communication in flight "
             "or state of its own between steps, which they cannot hold yet"
         )
-    dataset = data.load(config.dataset, config.data_dir, comm)
-    sizes = (dataset.features, *config.hidden, dataset.classes)
+    dataset = data.load(config.dataset, config.data_dir, comm).subset(config.train_samples, config.test_samples)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        net, threads = _agreed(comm, lambda: _setup(config, local, sizes))
+        net, threads = _agreed(comm, lambda: _setup(config, local, dataset))
     finally:
         local.Free()
     steps = data.steps_per_epoch(len(dataset.y_train), comm.Get_size(), config.batch_size)
     options = dict(config.options)
-    if "seed" in inspect.signature(algorithms.ALGORITHMS[config.algorithm]).parameters:
+    cls = peers.PEERS.get(config.algorithm) or algorithms.ALGORITHMS[config.algorithm]
+    if "seed" in inspect.signature(cls).parameters:
         options["seed"] = config.seed  # the algorithm's own random choices (neighbors, groups)
-    algo = algorithms.create(config.algorithm, net.model, net.optimizer, comm, **options)
+    algo = cls(net.model, net.optimizer, comm, **options)
+    if isinstance(algo, peers.DDP):
+        assert isinstance(net, TorchModel), "DDP refuses other models"
+        net.forward_module = algo.forward_module  # the forward pass goes through the DDP wrapper
     budget = pacing.StepBudget(comm, comm.Get_size() * steps) if algo.uneven_steps else None
     try:
         run = _Run(config, dataset, net, algo, steps, threads, budget)
@@ -480,7 +513,7 @@ class _Run:
         self,
         config: TrainConfig,
         dataset: data.Dataset,
-        net: models.MLP,
+        net: models.Model,
         algo: algorithms.Algorithm,
         steps: int,
         threads: int,
@@ -501,7 +534,8 @@ class _Run:
             "options",
             "workers",
             "dataset",
-            "layers",
+            "train_samples",
+            "model_spec",
             "backend",
             "batch_size",
             "lr",
@@ -645,7 +679,7 @@ class _Run:
 
 
 def _describe(
-    config: TrainConfig, dataset: data.Dataset, net: models.MLP, algo: algorithms.Algorithm, steps: int, threads: int
+    config: TrainConfig, dataset: data.Dataset, net: models.Model, algo: algorithms.Algorithm, steps: int, threads: int
 ) -> dict[str, Any]:
     """The ``meta`` part of the JSON: the run's configuration and what it resolved to."""
     meta = {
@@ -659,8 +693,8 @@ def _describe(
         "test_samples": len(dataset.y_test),
         "features": dataset.features,
         "classes": dataset.classes,
-        "model": models.describe(net.sizes),
-        "layers": list(net.sizes),
+        "model": net.name,
+        "model_spec": net.spec,
         "parameters": net.parameters,
         "model_bytes": algo.flat.nbytes,
         "backend": net.backend,

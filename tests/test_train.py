@@ -82,7 +82,8 @@ def test_dpsgd_ring_writes_the_documented_json_and_plot(tmp_path_factory: pytest
     run = read(out / "run.json")
     meta, epochs = run["meta"], run["epochs"]
     assert meta["workers"] == 4 and meta["algorithm"] == "dpsgd" and meta["options"] == {"topology": "ring"}
-    assert meta["layers"] == [64, 16, 10] and meta["model_bytes"] == 4 * meta["parameters"] == 4 * 1210
+    assert meta["model"] == "MLP 64-16-10" and meta["model_spec"] == {"model": "mlp", "layers": [64, 16, 10]}
+    assert meta["model_bytes"] == 4 * meta["parameters"] == 4 * 1210
     assert meta["steps_per_epoch"] == 12 and meta["topology"]["spectral_gap"] == pytest.approx(2 / 3)
     assert [e["epoch"] for e in epochs] == [1, 2]
     for e in epochs:

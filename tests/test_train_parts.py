@@ -66,6 +66,7 @@ def test_fashion_mnist_reads_gzipped_and_raw_idx_files(tmp_path) -> None:
         _write_idx(tmp_path / f"{split}-labels-idx1-ubyte", labels[split], 0x08)
     ds = data.load_fashion_mnist(str(tmp_path))
     assert ds.x_train.shape == (6, 784) and ds.x_test.shape == (4, 784) and ds.features == 784
+    assert ds.shape == (1, 28, 28)
     assert np.array_equal(ds.x_train, images["train"].reshape(6, -1))
     assert np.array_equal(ds.y_test, labels["t10k"]) and ds.y_test.dtype == np.int64
     norm = ds.normalized()
@@ -95,20 +96,33 @@ def test_digits_split_is_fixed_and_stratified() -> None:
     assert np.bincount(a.y_test, minlength=10).min() >= 35
 
 
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn")
+def test_subsets_are_fixed_and_checked() -> None:
+    full = data.load_digits()
+    a, b = full.subset(100, 50), full.subset(100, 50)
+    assert (len(a.y_train), len(a.y_test), a.shape) == (100, 50, (1, 8, 8))
+    assert np.array_equal(a.x_train, b.x_train) and np.array_equal(a.y_test, b.y_test)
+    assert full.subset(None, 50).x_train is full.x_train and len(np.unique(a.y_train)) == 10
+    rows = {r.tobytes() for r in full.x_train}
+    assert all(r.tobytes() in rows for r in a.x_train)
+    with pytest.raises(data.DatasetError, match="digits has 360 test samples; cannot take 361"):
+        full.subset(None, 361)
+
+
 def test_numpy_mlp_gradient_matches_finite_differences() -> None:
     net = models.NumpyMLP((5, 4, 3, 3), seed=1, dtype=np.float64)
     rng = np.random.default_rng(2)
     x, y = rng.normal(size=(7, 5)), rng.integers(0, 3, 7)
     grad = np.empty_like(net.params)
     loss = net.loss_and_grad(net.params, x, y, grad)
-    assert loss == pytest.approx(net.evaluate(net.params, x, y)[0])
+    assert loss == pytest.approx(net.evaluate(net.params, x, y)[0] / len(y))
     eps, numeric = 1e-6, np.empty_like(grad)
     for i in range(net.params.size):
         shifted = net.params.copy()
         shifted[i] += eps
         up = net.evaluate(shifted, x, y)[0]
         shifted[i] -= 2 * eps
-        numeric[i] = (up - net.evaluate(shifted, x, y)[0]) / (2 * eps)
+        numeric[i] = (up - net.evaluate(shifted, x, y)[0]) / (2 * eps * len(y))
     np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-8)
 
 
@@ -125,7 +139,7 @@ def test_init_follows_torch_linear_bounds() -> None:
 def test_torch_and_numpy_mlps_agree() -> None:
     torch = pytest.importorskip("torch")
     sizes = (6, 5, 4)
-    tnet, nnet = models.TorchMLP(sizes, seed=3), models.NumpyMLP(sizes, seed=3)
+    tnet, nnet = models.make("mlp", (1, 2, 3), 4, hidden=(5,), backend="torch", seed=3), models.NumpyMLP(sizes, seed=3)
     flat = torch.nn.utils.parameters_to_vector(tnet.model.parameters()).detach()
     assert np.array_equal(flat.numpy(), nnet.params)
     rng = np.random.default_rng(4)
@@ -135,15 +149,69 @@ def test_torch_and_numpy_mlps_agree() -> None:
     nnet.make_optimizer(lr=0.1, momentum=0.0)
     assert loss == pytest.approx(nnet.loss_backward(x, y), rel=1e-5)
     np.testing.assert_allclose(grad, nnet.optimizer.grad, rtol=1e-4, atol=1e-6)
-    t_eval = tnet.evaluate(flat, tnet.array(x), tnet.array(y))
-    assert t_eval == pytest.approx(nnet.evaluate(nnet.params, x, y), rel=1e-5)
+    t_loss, t_correct = tnet.evaluate(flat, tnet.array(x), tnet.array(y))
+    n_loss, n_correct = nnet.evaluate(nnet.params, x, y)
+    assert t_loss == pytest.approx(n_loss, rel=1e-5) and t_correct == n_correct
 
 
-def test_backend_errors_are_clear() -> None:
+def test_model_errors_are_clear() -> None:
     with pytest.raises(ValueError, match="numpy backend runs on the CPU only"):
-        models.make("numpy", (4, 2), seed=0, device="cuda")
+        models.make("mlp", (1, 2, 2), 2, backend="numpy", device="cuda")
     with pytest.raises(ValueError, match="unknown backend 'jax'"):
-        models.make("jax", (4, 2), seed=0)
+        models.make("mlp", (1, 2, 2), 2, backend="jax")
+    with pytest.raises(ValueError, match="unknown model 'vgg'"):
+        models.make("vgg", (1, 2, 2), 2)
+    with pytest.raises(ValueError, match="the lenet model needs the torch backend"):
+        models.make("lenet", (1, 28, 28), 10, backend="numpy")
+    with pytest.raises(ValueError, match="an MLP needs at least two layer sizes, all positive"):
+        models.make("mlp", (1, 2, 2), 2, hidden=(0,), backend="numpy")
+
+
+def test_cnns_have_their_documented_sizes() -> None:
+    pytest.importorskip("torch")
+    lenet, resnet = (models.make(k, (1, 28, 28), 10, backend="torch") for k in ("lenet", "resnet"))
+    assert (lenet.name, lenet.parameters) == ("LeNet-5", 61706)
+    assert (resnet.name, resnet.parameters) == ("ResNet-8 (32-64-128)", 308074)
+    statistics = [b for b in resnet.model.buffers() if b.is_floating_point()]
+    assert sum(b.numel() for b in statistics) == 1344
+    assert models.make("resnet", (1, 8, 8), 10, backend="torch").parameters == 308074
+    with pytest.raises(ValueError, match="LeNet-5 needs images of at least 12x12, the dataset's are 8x8"):
+        models.make("lenet", (1, 8, 8), 10, backend="torch")
+
+
+def test_cnns_start_from_the_seed() -> None:
+    torch = pytest.importorskip("torch")
+    for kind in ("lenet", "resnet"):
+        a, b, c = (models.make(kind, (1, 28, 28), 10, backend="torch", seed=s) for s in (1, 1, 2))
+        va, vb, vc = (torch.nn.utils.parameters_to_vector(m.model.parameters()) for m in (a, b, c))
+        assert torch.equal(va, vb) and not torch.equal(va, vc)
+
+
+def test_evaluation_reads_the_given_state_batchnorm_statistics_included() -> None:
+    """The ResNet evaluated on its flat state (algorithms.flat: parameters, then BatchNorm
+    statistics) agrees with the module in eval mode; statistics changed in the given state
+    change the result; the module's own tensors and training mode are left alone."""
+    torch = pytest.importorskip("torch")
+    import algorithms
+
+    net = models.make("resnet", (1, 8, 8), 3, backend="torch", seed=0)
+    opt = net.make_optimizer(0.1, 0.0)
+    flat = algorithms.flatten(net.model, opt)
+    x, y = torch.rand(20, 64), torch.randint(0, 3, (20,))
+    net.model.train()
+    net.loss_backward(x, y)  # one forward pass in training mode moves the running statistics
+    before = flat.state.clone()
+    loss, correct = net.evaluate(flat.state, x, y)
+    net.model.eval()
+    with torch.no_grad():
+        logits = net.model(x)
+    net.model.train()
+    assert loss == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y, reduction="sum")), rel=1e-5)
+    assert correct == int((logits.argmax(1) == y).sum())
+    other = flat.state.clone()
+    other[flat.size :] *= 3  # scale the running means and variances
+    assert net.evaluate(other, x, y)[0] != pytest.approx(loss, rel=1e-3)
+    assert torch.equal(flat.state, before) and net.model.training
 
 
 def _args(*argv: str) -> argparse.Namespace:
