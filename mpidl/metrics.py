@@ -38,28 +38,39 @@ key                              value
 ``consensus``                    consensus distance (above)
 ``bytes_per_step_mean``, ``_max`` mean and max over workers of bytes sent / steps taken
 ``bytes_total``                  bytes sent by all workers together
+``internode_bytes_per_step_mean`` mean over workers of the bytes sent to ranks on other nodes /
+                                 steps taken (0 on one node)
+``internode_bytes_total``        bytes sent to other nodes by all workers together
 ``workers``                      per worker, lists indexed by rank: ``test_acc``,
                                  ``consensus`` (||x_i - x_bar||^2 / ||x_bar||^2),
                                  ``train_loss`` (null if it took no step this epoch),
-                                 ``iterations``, ``bytes_sent``,
+                                 ``iterations``, ``bytes_sent``, ``internode_bytes``,
                                  ``comm_wait_s`` (time its steps spent communicating or
                                  waiting), ``time_s`` (its training wall time)
 ================================ =============================================================
 
 Bytes are the payload a worker's steps sent (:attr:`algorithms.Algorithm.bytes_sent`),
 exact counts from the point-to-point layer; the evaluation's all-reduce is not
+counted. Bytes to other nodes (:class:`NodeBytes`) are counted by destination
+(:func:`collectives.transport.p2p.bytes_by_peer`), all of the worker's
+threads together, the evaluation's excluded; nodes as
+:func:`collectives.topology.layout.layout` sees them (``MPIDL_RANKS_PER_NODE``
+emulates them). A peer whose traffic bypasses mpidl's transport (DDP) has none
 counted.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from mpi4py import MPI
 
 import collectives
+from collectives.topology.layout import layout
+from collectives.transport.p2p import bytes_by_peer
 
 from . import plotting
 from .models import Model
@@ -77,12 +88,14 @@ def measure(
     steps: int,
     time_s: float,
     epoch_s: float,
+    internode_bytes: int = 0,
 ) -> dict[str, Any]:
     """Evaluate after ``epoch`` (collective) and return its record (module docstring) on every rank.
 
-    ``loss_sum``, ``steps``, ``time_s`` and ``epoch_s`` are this worker's: the sum
-    of its minibatch losses this epoch and its steps, its training time so
-    far and this epoch's.
+    ``loss_sum``, ``steps``, ``time_s``, ``epoch_s`` and ``internode_bytes`` are
+    this worker's: the sum of its minibatch losses this epoch and its steps,
+    its training time so far and this epoch's, the bytes its training sent to
+    other nodes so far.
     """
     t0 = time.perf_counter()
     rank, n, total = comm.Get_rank(), comm.Get_size(), len(y_test)
@@ -100,13 +113,17 @@ def measure(
         steps,
         algo.iterations,
         algo.bytes_sent,
+        internode_bytes,
         algo.comm_wait_s,
         time_s,
         epoch_s,
     )
     columns = map(list, zip(*comm.allgather(mine)))
-    avg_losses, avg_corrects, acc, consensus, losses, taken, iterations, sent, wait, times, epoch_times = columns
+    avg_losses, avg_corrects, acc, consensus, losses, taken, iterations, sent, across, wait, times, epoch_times = (
+        columns
+    )
     per_step = [b / max(i, 1) for b, i in zip(sent, iterations)]
+    across_per_step = [b / max(i, 1) for b, i in zip(across, iterations)]
     return {
         "epoch": epoch,
         "time_s": max(times),
@@ -122,16 +139,48 @@ def measure(
         "bytes_per_step_mean": sum(per_step) / n,
         "bytes_per_step_max": max(per_step),
         "bytes_total": sum(sent),
+        "internode_bytes_per_step_mean": sum(across_per_step) / n,
+        "internode_bytes_total": sum(across),
         "workers": {
             "test_acc": acc,
             "consensus": consensus,
             "train_loss": [s / k if k else None for s, k in zip(losses, taken)],
             "iterations": iterations,
             "bytes_sent": sent,
+            "internode_bytes": across,
             "comm_wait_s": wait,
             "time_s": times,
         },
     }
+
+
+class NodeBytes:
+    """The payload bytes this process sent to ranks on other nodes since the construction,
+    by destination, less what the enclosed :meth:`excluding` blocks sent. Construction is
+    collective over ``MPI_COMM_WORLD`` (it reads the node layout)."""
+
+    def __init__(self) -> None:
+        world = MPI.COMM_WORLD
+        node_of = layout(world).node_of
+        self._remote = {r for r, node in enumerate(node_of) if node != node_of[world.Get_rank()]}
+        self._excluded = self._sent()
+
+    def _sent(self) -> int:
+        return sum(n for peer, n in bytes_by_peer().items() if peer in self._remote)
+
+    @contextmanager
+    def excluding(self) -> Iterator[None]:
+        """Leave out what this process sends to other nodes inside the block."""
+        before = self._sent()
+        try:
+            yield
+        finally:
+            self._excluded += self._sent() - before
+
+    @property
+    def total(self) -> int:
+        """Bytes sent to other nodes so far, the excluded blocks' left out."""
+        return self._sent() - self._excluded
 
 
 def line(record: dict[str, Any], epochs: int, model_bytes: int) -> str:

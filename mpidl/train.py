@@ -526,6 +526,7 @@ class _Run:
         self.x_test, self.y_test = net.array(dataset.x_test), net.array(dataset.y_test)
         self.step, self.time_s, self.epoch_s, self.loss_sum = 0, 0.0, 0.0, 0.0
         self.records: list[dict[str, Any]] = []
+        self.node_bytes = metrics.NodeBytes()
 
     def signature(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint's (all but the epochs and the outputs)."""
@@ -569,8 +570,9 @@ class _Run:
         epoch_s = self.epoch_s + time.perf_counter() - t0
         self.time_s += epoch_s
         self.epoch_s, self.loss_sum = 0.0, 0.0
-        self.records.append(
-            metrics.measure(
+        internode_bytes = self.node_bytes.total
+        with self.node_bytes.excluding():
+            record = metrics.measure(
                 epoch,
                 algo,
                 net,
@@ -581,8 +583,9 @@ class _Run:
                 steps=taken,
                 time_s=self.time_s,
                 epoch_s=epoch_s,
+                internode_bytes=internode_bytes,
             )
-        )
+        self.records.append(record)
         if algo.rank == 0:
             bar.write(metrics.line(self.records[-1], cfg.epochs, self.meta["model_bytes"]), file=sys.stdout)
             sys.stdout.flush()

@@ -35,9 +35,20 @@ EPOCH_KEYS = {
     "bytes_per_step_mean",
     "bytes_per_step_max",
     "bytes_total",
+    "internode_bytes_per_step_mean",
+    "internode_bytes_total",
     "workers",
 }
-WORKER_KEYS = {"test_acc", "consensus", "train_loss", "iterations", "bytes_sent", "comm_wait_s", "time_s"}
+WORKER_KEYS = {
+    "test_acc",
+    "consensus",
+    "train_loss",
+    "iterations",
+    "bytes_sent",
+    "internode_bytes",
+    "comm_wait_s",
+    "time_s",
+}
 
 
 def train(n: int, *argv: str) -> tuple[int, str, str]:
@@ -98,6 +109,25 @@ def test_dpsgd_ring_writes_the_documented_json_and_plot(tmp_path_factory: pytest
     assert last["bytes_total"] == 4 * 24 * 2 * meta["model_bytes"]
     if plot:
         assert on_rank0_quietly(lambda: (out / "run.png").read_bytes()[:8]) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("algorithm,crossing", [("dpsgd", 1.0), ("allreduce", 0.75)])
+def test_bytes_to_other_nodes_are_counted_by_destination(
+    algorithm: str, crossing: float, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Two nodes of two ranks (0, 1 | 2, 3). D-PSGD on the ring 0-1-2-3-0: every worker sends
+    its model to one neighbour on its node and one on the other. The ring all-reduce: ranks 1
+    and 3 send their 2 (n-1)/n = 1.5 models per step to the other node, ranks 0 and 2 none;
+    0.75 model per worker per step."""
+    out = tmp_path_factory.mktemp("nodes") / "run.json"
+    extra = ["--collective", "ring"] if algorithm == "allreduce" else []
+    argv = ["-m", "mpidl", "train", "--algorithm", algorithm, *extra, "--backend", "numpy", "--json", str(out), *QUICK]
+    proc = on_rank0_quietly(mpiexec, 4, argv, timeout=180, hosts="a:2,b:2")
+    assert proc.returncode == 0, proc.stderr
+    run = read(out)
+    model, last = run["meta"]["model_bytes"], run["epochs"][-1]
+    assert last["internode_bytes_per_step_mean"] == crossing * model
+    assert last["internode_bytes_total"] == 24 * 4 * crossing * model
 
 
 def test_same_seed_same_metrics(tmp_path_factory: pytest.TempPathFactory) -> None:
