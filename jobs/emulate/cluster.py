@@ -39,7 +39,7 @@ after: every node's link must have carried at least the bytes the ping-pong
 sent each way, MPI must see one node per namespace, and a shaped rate must be
 met within 15 %. A failed ``up`` removes what it made.
 
-State. ``up`` records each thing it makes, as it makes it, in
+State. ``up`` records each thing it makes, just before it makes it, in
 ``/run/mpidl-emulate.json``; ``down`` undoes exactly those, in reverse order,
 checks that none is left and only then deletes the record. A second ``up``
 while one exists is refused. Needs root, iproute2 (``ip``, ``tc``) and
@@ -97,7 +97,7 @@ class ClusterError(Exception):
     """Something the cluster cannot do, with the reason; the command exits with 1."""
 
 
-# --- commands --------------------------------------------------------------------------------
+# --- running tools ---------------------------------------------------------------------------
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -220,6 +220,8 @@ class Cluster:
             return cls(**json.loads(STATE.read_text()))
         except FileNotFoundError:
             return None
+        except (ValueError, TypeError) as error:
+            raise ClusterError(f"{STATE} is unreadable ({error}): remove what it lists by hand, then it") from None
 
     def save(self) -> None:
         """Write the record (atomically: a crash leaves the old one or the new one)."""
@@ -228,7 +230,7 @@ class Cluster:
         partial.replace(STATE)
 
     def record(self, kind: str, name: str) -> None:
-        """Note that ``name`` (a ``kind``) was made, at once, so that down finds it."""
+        """Note, on disk, that ``name`` (a ``kind``) is made next, so that down finds it."""
         self.made.append([kind, name])
         self.save()
 
@@ -267,29 +269,33 @@ def hosts_file(cluster: Cluster) -> str:
 
 
 def build(cluster: Cluster) -> None:
-    """Make the bridge, then each node: namespace, veth pair, addresses, hosts file."""
+    """Make the bridge, then each node: namespace, veth pair, addresses, hosts file.
+
+    Each thing is recorded just before it is made, so that a crash at any point
+    leaves nothing that down does not know (down skips what is not there).
+    """
     prefix = ipaddress.ip_network(SUBNET).prefixlen
-    sh("ip", "link", "add", BRIDGE, "type", "bridge")
     cluster.record("link", BRIDGE)
+    sh("ip", "link", "add", BRIDGE, "type", "bridge")
     sh("ip", "addr", "add", f"{cluster.head_address}/{prefix}", "dev", BRIDGE)
     sh("ip", "link", "set", BRIDGE, "up")
     etc = Path("/etc/netns")
     if not etc.exists():
-        etc.mkdir()
         cluster.record("dir", str(etc))
+        etc.mkdir()
     for node in cluster.nodes:
-        sh("ip", "netns", "add", node)
         cluster.record("netns", node)
-        sh("ip", "link", "add", cluster.veth(node), "type", "veth", "peer", "name", "eth0", "netns", node)
+        sh("ip", "netns", "add", node)
         cluster.record("link", cluster.veth(node))
+        sh("ip", "link", "add", cluster.veth(node), "type", "veth", "peer", "name", "eth0", "netns", node)
         sh("ip", "link", "set", cluster.veth(node), "master", BRIDGE, "up")
         sh("ip", "-n", node, "link", "set", "lo", "up")
         sh("ip", "-n", node, "addr", "add", f"{cluster.address(node)}/{prefix}", "dev", "eth0")
         sh("ip", "-n", node, "link", "set", "eth0", "up")
-        (etc / node).mkdir()
         cluster.record("dir", str(etc / node))
-        (etc / node / "hosts").write_text(hosts_file(cluster))
+        (etc / node).mkdir()
         cluster.record("file", str(etc / node / "hosts"))
+        (etc / node / "hosts").write_text(hosts_file(cluster))
 
 
 def shape(cluster: Cluster, bits: float | None, delay: str | None) -> None:
@@ -334,7 +340,7 @@ def teardown(cluster: Cluster) -> list[str]:
         elif kind == "netns":
             sh("ip", "netns", "del", name, check=False)
         elif kind == "file":
-            Path(name).unlink()
+            Path(name).unlink(missing_ok=True)
         elif kind == "dir":
             try:
                 Path(name).rmdir()
@@ -396,7 +402,8 @@ def verify(cluster: Cluster, nbytes: int = CHECK_BYTES) -> None:
     bits = parse_rate(cluster.rate)
     slowest = 8.0 * nbytes / (bits or 1e9)
     command = mpiexec_command(cluster, nodes, 1, "ofi-tcp")
-    command += [str(Path(command[0]).parent / "python3"), str(PINGPONG), "--bytes", str(nbytes)]
+    python = Path(command[0]).parent / "python3"  # the mpich wheel's mpiexec sits beside its python
+    command += [str(python) if python.exists() else "python3", str(PINGPONG), "--bytes", str(nbytes)]
     command += ["--pairs", ",".join(f"{a}-{b}" for a, b in pairs)]
     before = {node: counters(cluster.veth(node)) for node in nodes}
     try:
@@ -557,6 +564,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> None:
     """Replace this process by mpiexec running the command on the nodes."""
     cluster = recorded()
+    if args.n < 1:
+        raise ClusterError(f"-n {args.n}: at least 1 rank per node")
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise ClusterError("no command: cluster.py run -n RANKS_PER_NODE -- COMMAND...")
