@@ -6,11 +6,16 @@ the user's point-to-point messages. The duplicate and everything derived from
 it (validation scratch, node layout, sub-communicators) live in a
 :class:`Context` attached to the caller's communicator as an MPI attribute;
 it is built on first use — collectively, so every rank must make that first
-call — and freed with the communicator.
+call — and freed with the communicator, or at the latest when the
+interpreter exits, before mpi4py finalizes MPI: a shared-memory window still
+allocated at ``MPI_Finalize`` makes MPICH's ofi netmod fail to close its
+fabric ("fabricclose failed ... Device or resource busy", exit status 15)
+after the program's work is done.
 """
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 from mpi4py import MPI
@@ -68,6 +73,17 @@ _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete)
 # communicator is freed.
 _known: dict[int, tuple[MPI.Comm, Context]] = {}
 _ALIASES = 8
+
+
+def _free_all() -> None:
+    """Free every context still known (module docstring). Registered with ``atexit`` after
+    mpi4py.MPI was imported, so it runs before mpi4py's own finalization."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        for _, ctx in list(_known.values()):
+            ctx.free()
+
+
+atexit.register(_free_all)
 
 
 def context(comm: MPI.Comm) -> Context:
