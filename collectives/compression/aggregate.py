@@ -1,0 +1,162 @@
+"""Aggregating encoded vectors that cannot be summed as they travel: all-gather, or reduce-scatter and re-encode.
+
+A payload that is not a plain vector of floats (quantised levels with
+per-bucket scales, packed bits, index-value pairs) cannot be added up by an
+all-reduce on the way. Two ways to aggregate such payloads, for n ranks, a
+vector of d elements, and a payload of P bytes:
+
+``allgather`` (:func:`gather`):
+
+1. every rank encodes its vector into its slot of a table of n payloads;
+2. ring all-gather of the table (:func:`collectives.kernels.ring.allgather`);
+3. every rank decodes the n payloads and sums them in rank order (then divides
+   for ``avg``): the same bytes and the same order on every rank, so the
+   results are bitwise identical.
+
+   Cost: (n-1) alpha + (n-1) P beta + n d gamma_decode. Each rank sends
+   (n-1) P bytes: against the 2 (n-1)/n m bytes of a ring all-reduce of the
+   uncompressed m bytes, n P / (2 m), which grows with n. Works for any
+   encoding, sparse ones included; the result is the exact sum of every
+   rank's decoded vector.
+
+``reduce_scatter`` (:func:`scatter`), a compressed all-reduce in the manner of
+1-bit Adam's (Tang et al. 2021):
+
+1. the vector is cut into n chunks on bucket boundaries (the codec's scales
+   are per bucket); every rank encodes each chunk on its own;
+2. pairwise exchange, n-1 steps: at step s rank r sends its encoding of chunk
+   r+s to rank r+s and receives rank r-s's encoding of chunk r;
+3. rank r decodes the n encodings of chunk r, sums them in rank order (divides
+   for ``avg``) and encodes the sum again;
+4. pairwise exchange, n-1 steps: rank r sends its encoded chunk of the sum to
+   rank r+s and receives chunk r-s's;
+5. every rank decodes the n chunks: the same bytes, so bitwise identical.
+
+   Cost: 2 (n-1) alpha + 2 (n-1)/n P beta + d gamma_decode + (d/n) (n gamma_decode
+   + gamma_encode). Each rank sends 2 (n-1)/n P bytes (chunks of equal
+   size): P / m of the uncompressed ring all-reduce's bytes, whatever n. The
+   sum is encoded twice, so a biased codec's second error is returned in the
+   residual of the rank that made it (times n for ``avg``), see
+   :mod:`.base`; with one rank the vector is encoded once.
+
+Both take the codec's methods (:class:`Codec`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+from mpi4py import MPI
+
+from ..kernels.ring import allgather
+from ..transport.buffers import array_module
+from ..transport.chunks import chunk_bounds
+from ..transport.context import Context
+from ..transport.p2p import sendrecv
+from ..transport.scratch import scratch
+from .memory import ACCUMULATOR, PAYLOAD, RECEIVED, TABLE
+
+
+class Call(NamedTuple):
+    """One aggregation's arguments, resolved: the caller's communicator, its
+    context (whose private duplicate the messages use), the op and the all-reduce
+    algorithm (for the linear compressors)."""
+
+    comm: MPI.Comm
+    ctx: Context
+    op: str
+    algorithm: str
+
+
+class Codec(Protocol):
+    """What the aggregations need of a compressor (:class:`~.base.Compressor`)."""
+
+    bucket: int
+
+    def _nbytes(self, length: int, dtype: np.dtype) -> int: ...
+    def _encode(self, x: Any, out: Any) -> None: ...
+    def _decode(self, payload: Any, out: Any) -> None: ...
+    def _decode_add(self, payload: Any, out: Any) -> None: ...
+
+
+def gather(codec: Codec, x: Any, residual: Any, call: Call) -> None:
+    """Replace ``x`` by the sum (avg: mean) of every rank's decoded encoding of its
+    ``x``, by all-gather (module docstring); ``residual`` (or None) gets x - C(x)."""
+    n, r = call.ctx.size, call.ctx.rank
+    size = codec._nbytes(x.shape[0], x.dtype)
+    table = scratch(x, n * size, TABLE, np.uint8)
+    mine = table[r * size : (r + 1) * size]
+    codec._encode(x, mine)
+    if residual is not None:
+        codec._decode(mine, residual)
+        array_module(x).subtract(x, residual, out=residual)
+    allgather(table, call.ctx.comm)
+    _decode_sum(codec, [table[i * size : (i + 1) * size] for i in range(n)], x)
+    _finish(x, call.op, n)
+
+
+def scatter(codec: Codec, x: Any, residual: Any, call: Call) -> None:
+    """Replace ``x`` by the sum (avg: mean) of the ranks' encoded ``x``, by
+    reduce-scatter, re-encoding and all-gather (module docstring); ``residual``
+    (or None) gets x - C(x) plus this rank's share of the second encoding's error."""
+    xp = array_module(x)
+    n, r = call.ctx.size, call.ctx.rank
+    elems, offsets = chunks(codec, x.shape[0], n, x.dtype)
+    sent = scratch(x, offsets[n], PAYLOAD, np.uint8)
+    parts = [(x[elems[j] : elems[j + 1]], sent[offsets[j] : offsets[j + 1]]) for j in range(n)]
+    for chunk, payload in parts:
+        codec._encode(chunk, payload)
+    if residual is not None:
+        for j, (_, payload) in enumerate(parts):
+            codec._decode(payload, residual[elems[j] : elems[j + 1]])
+        xp.subtract(x, residual, out=residual)
+    if n == 1:
+        codec._decode(sent, x)
+        return
+    comm, mine = call.ctx.comm, parts[r][1]
+    size = mine.shape[0]
+    received = scratch(x, n * size, RECEIVED, np.uint8)
+    for s in range(1, n):
+        dest, source = (r + s) % n, (r - s) % n
+        sendrecv(comm, parts[dest][1], dest, received[source * size : (source + 1) * size], source)
+    acc = scratch(x, elems[r + 1] - elems[r], ACCUMULATOR)
+    _decode_sum(codec, [mine if i == r else received[i * size : (i + 1) * size] for i in range(n)], acc)
+    _finish(acc, call.op, n)
+    codec._encode(acc, mine)
+    for s in range(1, n):
+        dest, source = (r + s) % n, (r - s) % n
+        sendrecv(comm, mine, dest, parts[source][1], source)
+    for chunk, payload in parts:
+        codec._decode(payload, chunk)
+    if residual is not None:  # the second encoding's error, as the ranks' sum sees it
+        xp.subtract(acc, parts[r][0], out=acc)
+        if call.op == "avg":
+            xp.multiply(acc, n, out=acc)
+        own = residual[elems[r] : elems[r + 1]]
+        xp.add(own, acc, out=own)
+
+
+def chunks(codec: Codec, length: int, n: int, dtype: np.dtype) -> tuple[list[int], list[int]]:
+    """The element bounds of the n chunks of a vector of ``length`` (on multiples of
+    the codec's bucket, balanced by :func:`~collectives.transport.chunks.chunk_bounds`)
+    and the byte offsets of their encodings, one after another."""
+    b = codec.bucket
+    elems = [min(i * b, length) for i in chunk_bounds(-(-length // b), n)]
+    offsets = [0]
+    for j in range(n):
+        offsets.append(offsets[-1] + codec._nbytes(elems[j + 1] - elems[j], dtype))
+    return elems, offsets
+
+
+def _decode_sum(codec: Codec, payloads: list[Any], out: Any) -> None:
+    """Set ``out`` to the sum of the decoded ``payloads``, in their order."""
+    codec._decode(payloads[0], out)
+    for p in payloads[1:]:
+        codec._decode_add(p, out)
+
+
+def _finish(x: Any, op: str, n: int) -> None:
+    """Divide a sum of ``n`` contributions for ``avg``."""
+    if op == "avg" and n > 1:
+        array_module(x).divide(x, n, out=x)
