@@ -15,9 +15,17 @@ matrix per rank (:class:`NeighborWeights`).
 :class:`PReduce` averages a buffer among a group of ranks handed out by the
 group generator lock service (:class:`GroupGenerator`, policies
 :data:`POLICIES`); :class:`GroupComm` runs a kernel on a group of ranks.
+
+:mod:`collectives.compression` holds the gradient compressors
+(:data:`COMPRESSORS`, built from a spec "NAME[:PARAM]" by
+:func:`compressor`), each with its aggregation (``Compressor.allreduce``),
+and :func:`neighbor_exchange`, compressed gossip with graph neighbors.
 """
 
+from . import compression
 from .api import ALGORITHMS, DEFAULT_ALGORITHM, allreduce, broadcast, cost_params, explain
+from .compression import COMPRESSORS, Compressor, neighbor_exchange
+from .compression import create as compressor
 from .errors import ArgumentError, CollectiveError
 from .kernels.ring import allgather, reduce_scatter
 from .partial.group_comm import GroupComm
@@ -29,6 +37,7 @@ from .transport.ops import OPS, Reduction, reduction
 
 __all__ = [
     "ALGORITHMS",
+    "COMPRESSORS",
     "DEFAULT_ALGORITHM",
     "DTYPES",
     "GROUP_KERNELS",
@@ -36,6 +45,7 @@ __all__ = [
     "POLICIES",
     "ArgumentError",
     "CollectiveError",
+    "Compressor",
     "FlatBuffer",
     "Group",
     "GroupComm",
@@ -48,9 +58,12 @@ __all__ = [
     "allreduce",
     "as_flat",
     "broadcast",
+    "compression",
+    "compressor",
     "cost_params",
     "explain",
     "neighbor_allreduce",
+    "neighbor_exchange",
     "reduce_scatter",
     "reduction",
     "static_group",

@@ -27,6 +27,7 @@ COLLECTIVES_PARTS = (
     "collectives.tuning",
     "collectives.api",
     "collectives.partial",
+    "collectives.compression",
     "collectives",  # the package's face: re-exports
 )
 
