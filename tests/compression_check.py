@@ -5,7 +5,8 @@ under a separate ``mpiexec`` for 5..8 ranks (and on the device)::
 
     mpiexec -n 6 python tests/compression_check.py [--device cuda]
 
-Inputs differ per rank and every rank can rebuild every rank's input. For
+Inputs differ per rank and every rank can rebuild every rank's input; the
+float64 cases sum, the others average. For
 each case every rank must end with bitwise-identical bytes; the sum is
 conserved (sum_i x_i = n result + sum_i residual_i, to rounding); and the
 result matches a reference built from all inputs: for the deterministic
@@ -107,21 +108,22 @@ def check(
 def _one(comm: MPI.Comm, spec: str, options: dict[str, Any], dtype: str, length: int, device: str) -> list[str]:
     n, rank = comm.Get_size(), comm.Get_rank()
     compressor = build(spec, options, length)
-    case = f"{compressor} {dtype} {device} n={n} len={length} {options}"
+    op = "sum" if dtype == "float64" else "avg"
+    case = f"{compressor} {op} {dtype} {device} n={n} len={length} {options}"
     inputs = [rank_input(i, length, dtype) for i in range(n)]
     buf = make_buffer(inputs[rank], dtype, device)
     residual = make_buffer(np.zeros(length), dtype, device)
-    out = compressor.allreduce(buf, comm, "avg", residual=residual, algorithm="ring", validate=True)
+    out = compressor.allreduce(buf, comm, op, residual=residual, algorithm="ring", validate=True)
     got, res = to_host(buf), to_host(residual)
     problems = [] if out is buf else [f"{case}: did not return the caller's buffer"]
     if len(set(comm.allgather(raw_bytes(buf)))) != 1:
         problems.append(f"{case}: ranks disagree bitwise")
     residuals = comm.allgather(res)
     scale = sum(np.abs(x) for x in inputs) + n * np.abs(got) + sum(np.abs(r) for r in residuals)
-    lost = np.abs(sum(inputs) - n * got - sum(residuals))
+    lost = np.abs(sum(inputs) - (n if op == "avg" else 1) * got - sum(residuals))
     if np.any(lost > 8 * n * EPS[dtype] * scale):
         problems.append(f"{case}: not conserved, off by {lost.max()} (scale {scale.max()})")
-    expected, tolerance = reference(compressor, options, inputs, dtype, device)
+    expected, tolerance = reference(compressor, options, inputs, op, dtype, device)
     if expected is not None and np.any(np.abs(got - expected) > tolerance):
         worst = int(np.argmax(np.abs(got - expected) - tolerance))
         bound = np.broadcast_to(tolerance, got.shape)[worst]
@@ -130,48 +132,55 @@ def _one(comm: MPI.Comm, spec: str, options: dict[str, Any], dtype: str, length:
 
 
 def reference(
-    compressor: compression.Compressor, options: dict[str, Any], inputs: list[np.ndarray], dtype: str, device: str
+    compressor: compression.Compressor,
+    options: dict[str, Any],
+    inputs: list[np.ndarray],
+    op: str,
+    dtype: str,
+    device: str,
 ) -> tuple[np.ndarray, Any]:
-    """What the aggregate should be, and the tolerance (0: bit for bit)."""
+    """What the aggregate should be (the sum, or the mean for ``op="avg"``), and the
+    tolerance (0: bit for bit)."""
     n, length = len(inputs), inputs[0].shape[0]
     work = np.float64 if dtype == "float64" else np.float32
     xs = [x.astype(work) for x in inputs]
-    mean = np.mean(inputs, axis=0)
+    scale = 1 if op == "avg" else n  # the sum is n times the mean
+    mean = np.mean(inputs, axis=0) * scale
     eps = EPS[dtype] + 4 * n * EPS["float64" if work == np.float64 else "float32"]  # the result's rounding
     if compressor.name == "none":
-        return mean, eps * np.max(np.abs(inputs), initial=0)
+        return mean, eps * scale * np.max(np.abs(inputs), initial=0)
     if compressor.name == "qsgd":  # within a unit of each of the two quantisations
         units = np.max([_units(compressor, x) for x in inputs], axis=0)
-        return mean, 2 * units + eps * (np.abs(mean) + 2 * units)
+        return mean, scale * 2 * units + eps * (np.abs(mean) + scale * 2 * units)
     fresh = build(compressor.spec, options, length)
     if compressor.name == "randk":
         out = np.zeros(length)
         if length:
             index = np.sort(np.random.default_rng([fresh.seed, 0]).choice(length, fresh.k(length), replace=False))
-            out[index] = np.mean(np.abs(inputs), axis=0)[index] * length / fresh.k(length)
+            out[index] = np.mean(np.abs(inputs), axis=0)[index] * scale * length / fresh.k(length)
             return np.where(out, mean * length / fresh.k(length), 0), eps * out
         return out, 0
     if compressor.name == "powersgd":
-        out = _power_step(fresh, np.array(inputs))
-        return out, 1e-4 * (np.max(np.abs(mean), initial=0) + 1) + eps * np.abs(out)
+        out = _power_step(fresh, np.array(inputs)) * scale
+        return out, 1e-4 * (np.max(np.abs(mean), initial=0) + scale) + eps * np.abs(out)
     if compressor.aggregation == "allgather":
-        out = _aggregated(fresh, xs)
+        out = _aggregated(fresh, xs, op)
     else:
         elems, _ = chunks(fresh, length, n, np.dtype(work))
         out = np.zeros(length, work)
         for lo, hi in zip(elems, elems[1:]):
-            part = _aggregated(fresh, [x[lo:hi] for x in xs])
+            part = _aggregated(fresh, [x[lo:hi] for x in xs], op)
             out[lo:hi] = part if n == 1 else fresh.decompress(fresh.compress(part), np.empty_like(part))
     exact = to_host(make_buffer(out.astype(np.float64), dtype))
     return exact, (0 if device == "cpu" else 8 * eps * np.abs(exact))
 
 
-def _aggregated(compressor: compression.Compressor, xs: list[np.ndarray]) -> np.ndarray:
-    """The mean of the decoded encodings of ``xs``, summed in order."""
+def _aggregated(compressor: compression.Compressor, xs: list[np.ndarray], op: str) -> np.ndarray:
+    """The sum (avg: mean) of the decoded encodings of ``xs``, summed in order."""
     out = np.empty_like(xs[0])
     for i, x in enumerate(xs):
         compressor.decompress(compressor.compress(x), out, add=i > 0)
-    if len(xs) > 1:
+    if len(xs) > 1 and op == "avg":
         np.divide(out, len(xs), out=out)
     return out
 
