@@ -5,7 +5,10 @@ Receiving a whole chunk into scratch memory and then combining it reads and
 writes the chunk through main memory twice; receiving and combining one
 segment at a time keeps the scratch in cache. Measured on 2 ranks of one
 machine (MPICH wheel): a 64 MiB ring all-reduce took 17.9 ms unsegmented and
-14.5 ms with 256 KiB segments (16 MiB: 4.5 -> 4.1 ms). Device (GPU) buffers
+14.5 ms with 256 KiB segments (16 MiB: 4.5 -> 4.1 ms). The segments are
+pipelined: segment k+1's transfers are started (into the other of two scratch
+slots) before segment k is combined, so a network link is not left idle while
+a segment is reduced, nor the reduction waiting for a message's round trip. Device (GPU) buffers
 are exchanged whole: with CUDA-aware Open MPI on one H100, 256 KiB segments
 made a 64 MiB ring all-reduce take 74 ms.
 """
@@ -18,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .ops import Reduction
-from .p2p import sendrecv
+from .p2p import Pending, irecv, isend, sendrecv, waitall
 from .scratch import scratch
 
 #: Segment size in bytes.
@@ -40,9 +43,27 @@ def sendrecv_combine(
     # Device memory has no cache to stay in, and each message costs far more
     # than on the host: one segment.
     step = max(1, SEGMENT // into.itemsize) if type(into) is np.ndarray else max(longest, 1)
-    tmp = scratch(into, min(step, into.shape[0]))
-    for off in range(0, max(longest, 1), step):
-        got = into[off : off + step]
-        buf = tmp[: got.shape[0]]
-        sendrecv(comm, send[off : off + step], dest, buf, source)
+    segments = -(-max(longest, 1) // step)
+    slot = min(step, into.shape[0])
+    if segments == 1:
+        buf = scratch(into, slot)
+        sendrecv(comm, send, dest, buf, source)
+        red.combine(into, buf, src_first)
+        return
+    tmp = scratch(into, 2 * slot)
+
+    def start(k: int) -> tuple[list[Pending], Any]:
+        """Start segment k's transfers, into the scratch slot k mod 2."""
+        off = k * step
+        buf = tmp[(k % 2) * slot :][: into[off : off + step].shape[0]]
+        return [irecv(comm, buf, source), isend(comm, send[off : off + step], dest)], buf
+
+    pending, buf = start(0)
+    for k in range(segments):
+        waitall(pending, comm, (dest, source))
+        got = into[k * step : (k + 1) * step]
+        if k + 1 < segments:
+            pending, nxt = start(k + 1)  # in flight while segment k is combined
         red.combine(got, buf, src_first)
+        if k + 1 < segments:
+            buf = nxt
