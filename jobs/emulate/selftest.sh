@@ -9,8 +9,8 @@
 #     refuses a second up, checks again, and changes the rate to 100 Mbit/s
 #     and back (shape, checked each time);
 #  3. runs on 2 nodes x 2 ranks: `mpidl info` (must report 2 nodes, 2 ranks
-#     each) and a short `mpidl train` with allreduce and with dpsgd (must
-#     finish with a test accuracy);
+#     each) and a short `mpidl train` with every algorithm and the DDP peer
+#     (each must finish with a test accuracy);
 #  4. takes the cluster down and looks, independently of cluster.py, for
 #     anything left: namespaces, links, /etc/netns entries, the record;
 #  5. brings 3 nodes up unshaped and down again, and looks once more.
@@ -81,7 +81,7 @@ step "mpidl info on 2 nodes x 2 ranks"
 on_cluster -n 2 -- mpidl info
 grep -E '^nodes +2$' <<<"$out" >/dev/null || fail "mpidl info does not report 2 nodes"
 grep -E '^ranks per node +2 2$' <<<"$out" >/dev/null || fail "mpidl info does not report 2 ranks per node"
-for algorithm in allreduce dpsgd; do
+for algorithm in allreduce dpsgd lsgd adpsgd grsgd prague ddp; do
     step "mpidl train --algorithm $algorithm on 2 nodes x 2 ranks"
     on_cluster -n 2 -- mpidl train --algorithm "$algorithm" --dataset digits --hidden 16 --epochs 1 --no-progress
     grep '^final: test accuracy' <<<"$out" >/dev/null || fail "mpidl train $algorithm printed no final accuracy"
