@@ -3,50 +3,106 @@
 Each step, on every worker i of n:
 
 1. g_i = the local gradient at x (computed by the caller);
-2. g = (1/n) sum_j g_j by an all-reduce (average) of the flat gradient buffer,
-   in place, with any algorithm of :data:`collectives.ALGORITHMS`;
+2. g = (1/n) sum_j g_j by all-reduces (average) of the flat gradient buffer,
+   in place, bucket by bucket (:mod:`algorithms.buckets`), with any
+   algorithm of :data:`collectives.ALGORITHMS`;
 3. x <- optimizer step with g (e.g. SGD with momentum).
 
 Every worker applies the same averaged gradient to the same model, so the
 models stay bitwise identical (the all-reduce gives every rank the same bits)
 and the algorithm is mini-batch SGD with an n times larger batch.
 
-Cost per step: one all-reduce of the model's size m bytes; with the ring,
-2(n-1) alpha + 2 m (n-1)/n beta + m (n-1)/n gamma, and each worker sends
-2 m (n-1)/n bytes, the bandwidth lower bound. Reference: seed 001, section
-4.3 (BSP); Goyal et al., "Accurate, Large Minibatch SGD", 2017.
+Overlap (torch models on the CPU, by default): the all-reduce of a bucket
+starts, on a service thread (:class:`~algorithms.background.Background`,
+over a private duplicate of the communicator), as soon as backward has
+accumulated all its gradients — a post-accumulate-grad hook per parameter
+reports them (:class:`~algorithms.buckets.Tracker`) — while backward goes
+on computing the earlier layers' gradients; ``step()`` launches the buckets
+still unlaunched (parameters that got no gradient), waits for those in
+flight, then runs the optimizer. The service thread touches gradients only,
+never parameters, and is idle between steps. Without overlap (numpy models,
+``overlap=False``) ``step()`` all-reduces the same buckets, in the same
+order, with the same algorithms, on the calling thread: both ways reduce
+every element with the same operations in the same order, so they give
+bitwise identical gradients, hence parameters. A bucket's algorithm is
+resolved once, at construction, for its size ("auto": the cost model's
+choice).
+
+Shared memory: when every rank is on one node and the buckets' algorithm is
+``shm`` (what ``auto`` picks there), the flat gradient of a torch model on
+the CPU is allocated in a shared window, one vector per rank
+(:class:`collectives.kernels.resident.SharedVectors`), so backward writes
+the gradients straight where the peers read them, and a bucket's all-reduce
+runs in place with two barriers: no copy into a shared segment, no copy
+back, no separate division pass. Each element is computed as ``shm`` computes
+it, so the bits are those ``shm`` gives. :meth:`AllReduceSGD.close` moves
+the gradients back into private memory.
+
+Gradient accumulation over several backward passes: all but the last run
+inside :meth:`AllReduceSGD.no_sync`, which keeps them from reporting; a
+gradient accumulated twice outside it in one step is an error (its bucket may
+already be in flight).
+
+Cost per step: one all-reduce of the model's size m bytes, in b buckets; with
+the ring, 2(n-1) b alpha + 2 m (n-1)/n beta + m (n-1)/n gamma, and each
+worker sends 2 m (n-1)/n bytes, the bandwidth lower bound. With overlap the
+part of it that runs while backward computes the earlier gradients is off the
+critical path (where a core is free for it). Reference: seed 001, section 4.3
+(BSP); Goyal et al., "Accurate, Large Minibatch SGD", 2017; buckets as in
+Li et al., "PyTorch Distributed", VLDB 2020.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any
+import math
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+from typing import Any, Callable
+from zlib import crc32
 
+import numpy as np
 from mpi4py import MPI
 
 import collectives
-from collectives import ArgumentError
-from collectives.topology.layout import RanksPerNode
+from collectives import ArgumentError, reduction
+from collectives.kernels.resident import SharedVectors
+from collectives.topology.layout import RanksPerNode, detected
 from collectives.topology.layout import layout as node_layout
+from collectives.transport.context import context
 
+from .background import Background
 from .base import Algorithm
+from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
+from .flat import TorchFlatParams
 
 
 class AllReduceSGD(Algorithm):
-    """Average the gradients with an all-reduce, then step the local optimizer.
+    """Average the gradients with all-reduces, bucket by bucket, then step the local optimizer.
 
     Args:
         model, optimizer, comm, broadcast_init, validate: see :class:`~algorithms.base.Algorithm`.
         algorithm: the all-reduce algorithm (a key of
             :data:`collectives.ALGORITHMS`; "auto" chooses by the cost model,
-            resolved — and, on first use, calibrated — at construction).
+            per bucket size, resolved — and, on first use, calibrated — at
+            construction).
         layout: ranks per node for the topology-aware all-reduce algorithms
             (one number or node sizes such as "3,1"); None detects it or
             reads ``MPIDL_RANKS_PER_NODE``.
+        overlap: all-reduce each bucket during backward (module docstring).
+            None: on for torch models on the CPU, off otherwise. True needs a
+            torch model; numpy models have no backward to overlap with.
+        bucket_mb: the largest bucket, in MiB (a larger parameter is a
+            bucket of its own); the same buckets are used with and without
+            overlap.
 
     Attributes:
-        choice: for "auto", the cost model's choice for this model's size
+        choice: for "auto", the cost model's choice for the whole model's size
             (:func:`collectives.explain`), else None.
+        overlap: whether buckets are all-reduced during backward.
+        buckets: the bucket plan (:func:`algorithms.buckets.plan`), in launch order.
+        bucket_algorithms: the all-reduce algorithm of each bucket.
+        resident: whether the flat gradient lives in shared memory, where the
+            ``shm`` buckets are all-reduced in place (module docstring).
     """
 
     name = "allreduce"
@@ -59,10 +115,17 @@ class AllReduceSGD(Algorithm):
         *,
         algorithm: str = collectives.DEFAULT_ALGORITHM,
         layout: RanksPerNode = None,
+        overlap: bool | None = None,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         **common: Any,
     ) -> None:
         self.algorithm = algorithm
         self.layout = layout
+        self.overlap_arg, self.bucket_mb = overlap, bucket_mb
+        self._background: Background | None = None
+        self._shared: SharedVectors | None = None
+        self._hooks: list[Any] = []
+        self._sync = True
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
@@ -73,14 +136,172 @@ class AllReduceSGD(Algorithm):
             )
         if self.layout is not None:
             node_layout(self.comm, self.layout)  # parses the override: local
-        return (self.algorithm, self.layout)
+        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ArgumentError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
+        hooked = isinstance(self.flat, TorchFlatParams)
+        if self.overlap_arg and not hooked:
+            raise ArgumentError(
+                "overlap needs a torch model (its gradients report through autograd hooks); "
+                "a numpy model's gradient is all-reduced in step()"
+            )
+        threads = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        if self.overlap_arg and not threads:
+            raise ArgumentError(
+                "overlap all-reduces on a service thread: MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
+            )
+        on_cpu = type(self.flat.grad_data) is np.ndarray
+        self.overlap = bool(self.overlap_arg) if self.overlap_arg is not None else hooked and threads and on_cpu
+        cap = max(1, int(self.bucket_mb * 2**20) // self.flat.grad_data.itemsize)
+        self.buckets = plan(self.flat.sizes, self.flat.trainable, cap)
+        bounds = np.array([(b.start, b.stop) for b in self.buckets], np.int64)
+        return (self.algorithm, self.layout, self.overlap, self.bucket_mb, crc32(bounds.tobytes()))
 
     def _start(self) -> None:
+        device = "cpu" if type(self.flat.grad_data) is np.ndarray else "cuda"
         self.choice = (
-            collectives.explain(self.flat.nbytes, self.comm, layout=self.layout) if self.algorithm == "auto" else None
+            collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device)
+            if self.algorithm == "auto"
+            else None
+        )
+        itemsize = self.flat.grad_data.itemsize
+        resolved: dict[int, str] = {}
+        for b in self.buckets:
+            if self.algorithm == "auto" and b.size not in resolved:
+                choice = collectives.explain(
+                    b.size * itemsize, self.comm, layout=self.layout, device=device, validate=False
+                )
+                resolved[b.size] = choice.algorithm
+        self.bucket_algorithms = tuple(resolved.get(b.size, self.algorithm) for b in self.buckets)
+        self._frozen = [p for p, _ in getattr(self.flat, "views", ()) if not p.requires_grad]
+        # With overlap, the service thread's own communicator: the caller may use self.comm meanwhile.
+        self._comm = self.comm.Dup() if self.overlap else self.comm
+        if "shm" in self.bucket_algorithms and self._resident():
+            self._red = reduction("avg", self.flat.dtype)
+            self._shared = SharedVectors(context(self._comm).comm, self.flat.size, self.flat.grad_data.dtype)
+            self._move_grads(self._shared.mine)
+        self.resident = self._shared is not None
+        grads = self.flat.grads
+        self._slices = [grads[b.start : b.stop] for b in self.buckets]
+        if not self.overlap:
+            return
+        context(self._comm)
+        self._background = Background(f"allreduce-buckets-rank{self.rank}")
+        self._tracker = Tracker(self.buckets, len(self.flat.sizes), self._launch)
+        flat = self.flat
+        assert isinstance(flat, TorchFlatParams)  # overlap is resolved for torch models only
+        for b in self.buckets:
+            for i in b.params:
+                self._hooks.append(flat.views[i][0].register_post_accumulate_grad_hook(self._ready(flat, i)))
+
+    def _resident(self) -> bool:
+        """Whether the gradients can live in shared memory (module docstring): a torch
+        model on the CPU, two or more ranks, all on one node, by the layout and really."""
+        return (
+            isinstance(self.flat, TorchFlatParams)
+            and type(self.flat.grad_data) is np.ndarray
+            and self.size > 1
+            and node_layout(self.comm, self.layout).nodes == 1
+            and detected(context(self.comm)).nodes == 1
+        )
+
+    def _move_grads(self, buf: np.ndarray) -> None:
+        """Make the host array ``buf`` the flat gradient buffer (torch models)."""
+        import torch
+
+        assert isinstance(self.flat, TorchFlatParams)
+        tensor = torch.from_numpy(buf)
+        self.flat.move_grads(tensor if tensor.dtype == self.flat.grads.dtype else tensor.view(self.flat.grads.dtype))
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate their gradients locally, without
+        communicating; the next backward pass outside (the last of the step) starts
+        the buckets' all-reduces. Without overlap it changes nothing: ``step()``
+        communicates."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _ready(self, flat: TorchFlatParams, i: int) -> Callable[[Any], None]:
+        """The hook of parameter ``i``: its gradient is in the flat buffer (re-pointed
+        there if ``zero_grad(set_to_none=True)`` broke the aliasing), and final."""
+
+        def hook(_: Any) -> None:
+            if self._sync:
+                flat.collect_grad(i)
+                self._tracker.report(i)
+
+        return hook
+
+    def _launch(self, bucket: Bucket) -> None:
+        assert self._background is not None
+        self._background.submit(self._reduce, bucket)
+
+    def _reduce(self, bucket: Bucket) -> None:
+        """All-reduce (average) ``bucket``'s slice of the flat gradient, in place."""
+        if self._shared is not None and self.bucket_algorithms[bucket.index] == "shm":
+            self._shared.allreduce(bucket.start, bucket.stop, self._red)
+            return
+        collectives.allreduce(
+            self._slices[bucket.index],
+            self._comm,
+            "avg",
+            self.bucket_algorithms[bucket.index],
+            validate=False,
+            layout=self.layout,
         )
 
     def _step(self) -> None:
+        if any(p.requires_grad for p in self._frozen):
+            raise RuntimeError(
+                "a parameter frozen when the algorithm was built now requires a gradient, which no "
+                "bucket holds; set requires_grad before building the algorithm"
+            )
         with self._communicating():
-            collectives.allreduce(self.flat.grads, self.comm, "avg", self.algorithm, validate=False, layout=self.layout)
+            if self._background is None:
+                for b in self.buckets:
+                    self._reduce(b)
+            else:
+                self._tracker.flush()
+                self._tracker.reset()
+                self._drain()
         self.optimizer.step()
+
+    def _drain(self) -> None:
+        """Wait for every bucket in flight and count its bytes; re-raise the first failure."""
+        assert self._background is not None
+        failure: BaseException | None = None
+        while self._background.pending:
+            try:
+                self.bytes_sent += self._background.result()[1]
+            except BaseException as exc:  # every result is taken before one is raised
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        """Remove the hooks, finish what is in flight, stop the thread, move the gradients
+        out of shared memory, free the communicator."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self._background is not None:
+            try:
+                # A backward pass without a step left buckets in flight on some rank: every rank
+                # launches the rest (the same buckets, in the same order), so none waits in vain.
+                if context(self.comm).comm.allreduce(self._tracker.launched, op=MPI.MAX):
+                    self._tracker.flush()
+                self._drain()
+            finally:
+                self._background.close()
+                self._background = None
+        if self._shared is not None:
+            self._move_grads(self._shared.mine.copy())
+            self._shared.free()
+            self._shared = None
+        if self._comm is not self.comm:
+            self._comm.Free()
+            self._comm = self.comm
+        super().close()

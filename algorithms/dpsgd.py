@@ -26,6 +26,23 @@ of each other; a decaying one drives them to consensus.
 Cost per step on worker i with degree d (m model bytes): alpha + d m beta +
 d m gamma, and d m bytes sent (2 m on a ring) — independent of n, where an
 all-reduce costs 2 m (n-1)/n per worker but latency growing with n.
+
+Overlap (torch models on the CPU, by default): averaging and gradient both
+read x(t), so the averaging need not wait for the gradient. The first
+forward pass of a step (a forward pre-hook on the model) starts it on a
+service thread (:class:`~algorithms.background.Background`, over a private
+duplicate of the communicator): x(t) is sent to the neighbors as it is
+(forward and backward only read it) and the mix is formed in a separate
+buffer (``neighbor_allreduce(..., out=)``), while the caller computes g_i.
+``step()`` starts it if no forward pass did (the hook ignores forward
+passes without gradients, such as evaluations under ``torch.no_grad()``), waits for it, mixes the float
+buffers (BatchNorm statistics, which the forward pass has just updated) in
+place as before, copies the mixed parameters in, and applies the optimizer:
+the same operations on the same values as without overlap, so the same bits.
+One copy of the model per step is the price; the parameters must not be
+changed between the step's first forward pass and ``step()``. :meth:`DPSGD.settle`
+waits for a mix in flight and drops it (the next step mixes again), after
+which the parameters may be changed (e.g. loaded from a checkpoint).
 """
 
 from __future__ import annotations
@@ -34,11 +51,15 @@ from collections.abc import Hashable
 from typing import Any
 from zlib import crc32
 
+import numpy as np
 from mpi4py import MPI
 
 from collectives import ArgumentError, neighbor_allreduce
+from collectives.transport.context import context
 
+from .background import Background
 from .base import Algorithm
+from .flat import TorchFlatParams
 from .topology import Topology, build
 
 
@@ -51,9 +72,13 @@ class DPSGD(Algorithm):
             or the name of one in :data:`algorithms.topology.TOPOLOGIES`
             built for that size.
         weights: "uniform" or "metropolis" mixing weights for a named topology.
+        overlap: average the parameters while the gradient is computed (module
+            docstring). None: on for torch models on the CPU, off otherwise.
+            True needs a torch model (a forward pass to start from).
 
     Attributes:
         topology: the resolved topology (every rank holds the whole W).
+        overlap: whether the averaging runs during forward and backward.
     """
 
     name = "dpsgd"
@@ -66,9 +91,14 @@ class DPSGD(Algorithm):
         *,
         topology: str | Topology = "ring",
         weights: str = "uniform",
+        overlap: bool | None = None,
         **common: Any,
     ) -> None:
-        self.topology_arg, self.weights = topology, weights
+        self.topology_arg, self.weights, self.overlap_arg = topology, weights, overlap
+        self._module = model
+        self._background: Background | None = None
+        self._hook: Any = None
+        self._in_flight = False
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
@@ -83,9 +113,84 @@ class DPSGD(Algorithm):
             raise ArgumentError(f"topology {topo.name} has {topo.size} ranks, the communicator {self.size}")
         self.topology = topo
         self._row = topo.neighbor_weights(self.rank)
-        return (topo.name, crc32(topo.W.tobytes()))
+        hooked = isinstance(self.flat, TorchFlatParams)
+        if self.overlap_arg and not hooked:
+            raise ArgumentError("overlap needs a torch model (its forward pass starts the averaging)")
+        threads = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        if self.overlap_arg and not threads:
+            raise ArgumentError(
+                "overlap averages on a service thread: MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
+            )
+        on_cpu = type(self.flat.param_data) is np.ndarray
+        self.overlap = bool(self.overlap_arg) if self.overlap_arg is not None else hooked and threads and on_cpu
+        return (topo.name, crc32(topo.W.tobytes()), self.overlap)
+
+    def _start(self) -> None:
+        if not self.overlap:
+            return
+        # The service thread's own communicator: step() mixes the buffers on self.comm meanwhile.
+        self._comm = self.comm.Dup()
+        context(self._comm)
+        self._mixed = self.flat.new_buffer()
+        self._background = Background(f"dpsgd-mix-rank{self.rank}")
+        self._hook = self._module.register_forward_pre_hook(self._forward_starts)
+
+    def _forward_starts(self, *_: Any) -> None:
+        """The forward pre-hook: a forward pass that records gradients leads to a step."""
+        import torch
+
+        if torch.is_grad_enabled():
+            self._launch()
+
+    def _launch(self) -> None:
+        """Start mixing the parameters into the side buffer, unless this step already did."""
+        if self._in_flight or self._background is None:
+            return
+        self._in_flight = True
+        self._background.submit(
+            neighbor_allreduce, self.flat.params, self._row, self._comm, validate=False, out=self._mixed.owner
+        )
+
+    def _collect(self) -> None:
+        """Wait for the mix in flight (started if none is) and count its bytes."""
+        assert self._background is not None
+        self._launch()
+        self._in_flight = False
+        self.bytes_sent += self._background.result()[1]
 
     def _step(self) -> None:
+        if self._background is None:
+            with self._communicating():
+                neighbor_allreduce(self.flat.state, self._row, self.comm, validate=False)
+            self.optimizer.step()
+            return
         with self._communicating():
-            neighbor_allreduce(self.flat.state, self._row, self.comm, validate=False)
+            self._collect()
+            if self.flat.has_buffers:
+                neighbor_allreduce(self.flat.state_data[self.flat.size :], self._row, self.comm, validate=False)
+        self.flat.param_data[...] = self._mixed.data
         self.optimizer.step()
+
+    def settle(self) -> None:
+        """Wait for a mix in flight and drop it (module docstring); collective."""
+        super().settle()
+        self._drop()
+
+    def _drop(self) -> None:
+        """Finish and drop the mix in flight on any rank (collective: a rank with none
+        in flight starts one, so that every rank's thread takes part)."""
+        if self._background is not None and context(self.comm).comm.allreduce(self._in_flight, op=MPI.LOR):
+            with self._communicating():
+                self._collect()
+
+    def close(self) -> None:
+        """Remove the forward hook, drop a mix in flight, stop the thread, free its communicator."""
+        if self._background is not None:
+            self._hook.remove()
+            try:
+                self._drop()
+            finally:
+                self._background.close()
+                self._background = None
+                self._comm.Free()
+        super().close()

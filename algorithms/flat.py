@@ -15,7 +15,10 @@ flat buffer each, so a collective runs on the whole model in place:
   floating dtype and device. ``optimizer.zero_grad()`` (which sets grads to
   None) breaks the aliasing for a step; :meth:`FlatParams.collect_grads`
   repairs it with one copy, and zeroing with ``zero_grad(set_to_none=False)``
-  or :meth:`FlatParams.zero_grad` avoids the copy.
+  or :meth:`FlatParams.zero_grad` avoids the copy. Frozen parameters
+  (``requires_grad=False`` at construction) keep their place in both
+  buffers but get no gradient (``p.grad`` stays None, so the optimizer
+  leaves them alone); :attr:`FlatParams.trainable` says which are which.
 * numpy: the parameter array is the flat buffer (viewed 1-D) and the
   optimizer's ``grad`` array (:class:`algorithms.optim.SGD`) the flat
   gradient.
@@ -67,6 +70,11 @@ class FlatParams:
         param_data, grad_data, state_data: ``params``, ``grads`` and
             ``state`` as 1-D arrays of the array module (share memory).
         dtype: the logical dtype name (e.g. "float32").
+        sizes: the element count of every parameter, in order (their
+            gradients lie one after the other in ``grads``); a numpy model
+            is one parameter.
+        trainable: for every parameter, whether it gets a gradient (torch:
+            ``requires_grad`` at construction).
     """
 
     def __init__(self, params: Any, grads: Any, state: Any = None) -> None:
@@ -75,6 +83,8 @@ class FlatParams:
         flat_p, flat_g = as_flat(params), as_flat(grads)
         self.param_data, self.grad_data, self.dtype = flat_p.data, flat_g.data, flat_p.dtype
         self.state_data = self.param_data if state is None else as_flat(state).data
+        self.sizes: tuple[int, ...] = (self.size,)
+        self.trainable: tuple[bool, ...] = (True,)
 
     @property
     def has_buffers(self) -> bool:
@@ -136,7 +146,8 @@ class TorchFlatParams(FlatParams):
                 grad = grads[offset : offset + n].view_as(p)
                 if p.grad is not None:
                     grad.copy_(p.grad)
-                p.grad = grad
+                if p.requires_grad or p.grad is not None:
+                    p.grad = grad
                 self.views.append((p, grad))
                 offset += n
             for module, name, b in extra:
@@ -146,27 +157,60 @@ class TorchFlatParams(FlatParams):
                 setattr(module, name, view)  # a registered buffer: nn.Module keeps it registered
                 offset += n
         super().__init__(params, grads, state if extra else None)
+        self.sizes = tuple(p.numel() for p in tensors)
+        self.trainable = tuple(bool(p.requires_grad) for p in tensors)
 
     def new_buffer(self) -> FlatBuffer:
         import torch
 
         return as_flat(torch.empty_like(self.grads))
 
+    def move_grads(self, grads: Any) -> None:
+        """Make ``grads`` (a 1-D tensor of the flat gradient's length, dtype and device,
+        e.g. in shared memory) the flat gradient buffer: the gradients are copied in,
+        and those that aliased the old buffer are re-pointed to the new one."""
+        import torch
+
+        with torch.no_grad():
+            grads.copy_(self.grads)
+        offset = 0
+        for i, (p, old) in enumerate(self.views):
+            n = p.numel()
+            view = grads[offset : offset + n].view_as(p)
+            if p.grad is not None and _aliases(p.grad, old):
+                p.grad = view
+            self.views[i] = (p, view)
+            offset += n
+        self.grads, self.grad_data = grads, as_flat(grads).data
+
     def collect_grads(self) -> None:
         """Copy gradients that no longer alias the flat buffer into it and re-point them.
 
-        A parameter whose ``grad`` is None (zeroed with ``set_to_none``, or
-        unused in the last backward pass) gets a zero gradient.
+        A trainable parameter whose ``grad`` is None (zeroed with
+        ``set_to_none``, or unused in the last backward pass) gets a zero
+        gradient; a frozen one keeps None.
         """
-        for p, view in self.views:
-            grad = p.grad
-            if grad is None:
-                view.zero_()
-            elif grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
-                view.copy_(grad)
-            else:
-                continue
-            p.grad = view
+        for i in range(len(self.views)):
+            self.collect_grad(i)
+
+    def collect_grad(self, i: int) -> None:
+        """:meth:`collect_grads` for parameter ``i`` alone (e.g. from its gradient hook)."""
+        p, view = self.views[i]
+        grad = p.grad
+        if grad is None:
+            if not p.requires_grad:
+                return
+            view.zero_()
+        elif not _aliases(grad, view):
+            view.copy_(grad)
+        else:
+            return
+        p.grad = view
+
+
+def _aliases(grad: Any, view: Any) -> bool:
+    """Whether the tensor ``grad`` is the flat buffer's ``view`` (same memory, same strides)."""
+    return bool(grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride())
 
 
 def flatten(model: Any, optimizer: Any) -> FlatParams:

@@ -1,4 +1,4 @@
-"""The ``mpidl`` command: ``mpidl info | bench | train | compare``.
+"""The ``mpidl`` command: ``mpidl info | bench | step-bench | train | compare``.
 
 Run it under the MPI launcher, e.g. ``mpiexec -n 2 mpidl info``; rank 0
 prints, every rank takes part. An uncaught exception on any rank aborts the
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from mpi4py import MPI
 
-from . import bench, compare, info, train
+from . import bench, compare, info, stepbench, train
 from .runtime import init
 
 if TYPE_CHECKING:
@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(p)
     p.set_defaults(run=bench.main)
+    p = sub.add_parser(
+        "step-bench",
+        help="time a training step: local, communication alone, mpidl with and without overlap, DDP",
+        description=stepbench.__doc__.split("\n\n")[0],
+    )
+    stepbench.add_arguments(p)
+    p.set_defaults(run=stepbench.main)
     p = sub.add_parser(
         "train",
         help="train a model with a data-parallel algorithm, metrics per epoch",

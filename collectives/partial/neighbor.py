@@ -20,7 +20,9 @@ Phases:
 3. combine in a fixed order: ``x *= w_ii``, then for in-neighbors in
    ascending rank order ``x += w_ij x_j``. Waiting for everything before
    combining keeps the order fixed, so results are deterministic (the same
-   inputs give the same bits on every run).
+   inputs give the same bits on every run). With ``out=`` the same
+   operations write into ``out`` and ``x`` is only read (D-PSGD mixes a model
+   that the forward pass reads meanwhile).
 
 Cost on rank i (d_out out-neighbors, d_in in-neighbors, n bytes):
 alpha + d_out n beta (all messages in flight together; a rank's link
@@ -111,9 +113,15 @@ class NeighborWeights:
 
 
 def neighbor_allreduce(
-    buf: Any, weights: NeighborWeights, comm: MPI.Comm | None = None, *, validate: bool | None = None
+    buf: Any,
+    weights: NeighborWeights,
+    comm: MPI.Comm | None = None,
+    *,
+    validate: bool | None = None,
+    out: Any = None,
 ) -> Any:
-    """Replace ``buf`` by its weighted average with the in-neighbors' buffers, in place.
+    """Replace ``buf`` by its weighted average with the in-neighbors' buffers, in place
+    (or, given ``out``, write the average there and leave ``buf`` as it was).
 
     Sets ``buf <- w_ii buf + sum_j w_ij buf_j`` (j over ``weights.sources``)
     after sending this rank's ``buf`` to every rank in
@@ -128,9 +136,12 @@ def neighbor_allreduce(
         comm: the communicator (default ``MPI.COMM_WORLD``); every rank calls.
         validate: check the graph and arguments across ranks first. None uses
             the default (on unless ``MPIDL_VALIDATE=0``).
+        out: a buffer of ``buf``'s kind, length and dtype that receives the
+            average, bit for bit what ``buf`` would; ``buf`` is then only read
+            (e.g. a model that a forward pass reads meanwhile).
 
     Returns:
-        ``buf`` itself.
+        ``out`` if given, else ``buf`` itself.
 
     Raises:
         ArgumentError: invalid or inconsistent arguments; with validation on,
@@ -139,6 +150,9 @@ def neighbor_allreduce(
     ctx = context(MPI.COMM_WORLD if comm is None else comm)
     p2p.operation("neighbor_allreduce")
     flat, problem = _prepare(buf, weights, ctx.size, ctx.rank)
+    target = flat
+    if out is not None and problem is None:
+        target, problem = _target(out, flat)
     if validation.enabled(validate):
         _check(ctx, weights, flat, problem)
     elif problem:
@@ -146,8 +160,22 @@ def neighbor_allreduce(
     if type(flat.data) is not np.ndarray:
         gpu.ensure(ctx.comm, flat)
     if flat.size:
-        _mix(flat, weights, ctx.comm)
-    return buf
+        _mix(flat, weights, ctx.comm, target.data)
+    return buf if out is None else out
+
+
+def _target(out: Any, flat: FlatBuffer) -> tuple[FlatBuffer, ArgumentError | None]:
+    """Resolve ``out`` and check it against the input; a problem is returned, not raised."""
+    try:
+        target = as_flat(out)
+    except ArgumentError as exc:
+        return flat, exc
+    if target.size != flat.size or target.dtype != flat.dtype or type(target.data) is not type(flat.data):
+        return flat, ArgumentError(
+            f"out must match the buffer: {target.size} {target.dtype} elements of "
+            f"{type(target.data).__name__} for {flat.size} {flat.dtype} of {type(flat.data).__name__}"
+        )
+    return target, None
 
 
 def _prepare(buf: Any, weights: NeighborWeights, size: int, rank: int) -> tuple[FlatBuffer, ArgumentError | None]:
@@ -200,8 +228,9 @@ def _check(ctx: Context, weights: NeighborWeights, flat: FlatBuffer | None, prob
     validation.check(ctx, "neighbor_allreduce", problem, signature, lambda: ({}, DTYPE_CODES))
 
 
-def _mix(flat: FlatBuffer, weights: NeighborWeights, comm: MPI.Comm) -> None:
-    """Exchange with the neighbors and combine in a fixed order (module docstring)."""
+def _mix(flat: FlatBuffer, weights: NeighborWeights, comm: MPI.Comm, y: Any) -> None:
+    """Exchange with the neighbors and combine in a fixed order (module docstring) into
+    ``y`` (``flat.data`` itself, or a buffer like it)."""
     x, n, dtype = flat.data, flat.size, flat.dtype
     received = [scratch(x, n, slot=_RECV + k) for k in range(len(weights.sources))]
     pending = [irecv(comm, r, j) for r, (j, _) in zip(received, weights.sources)]
@@ -213,9 +242,10 @@ def _mix(flat: FlatBuffer, weights: NeighborWeights, comm: MPI.Comm) -> None:
     if half:
         acc, term = scratch(x, n, slot=_ACC, dtype=np.float32), scratch(x, n, slot=_TERM, dtype=np.float32)
         widen(x, acc, dtype)
+        xp.multiply(acc, cast(weights.self_weight), out=acc)
     else:
-        acc = x
-    xp.multiply(acc, cast(weights.self_weight), out=acc)
+        acc = y
+        xp.multiply(x, cast(weights.self_weight), out=acc)
     for r, (_, w) in zip(received, weights.sources):
         if half:
             widen(r, term, dtype)
@@ -223,4 +253,4 @@ def _mix(flat: FlatBuffer, weights: NeighborWeights, comm: MPI.Comm) -> None:
         xp.multiply(r, cast(w), out=r)
         xp.add(acc, r, out=acc)
     if half:
-        narrow(acc, x, dtype)
+        narrow(acc, y, dtype)

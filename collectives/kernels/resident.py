@@ -1,0 +1,100 @@
+"""All-reduce of vectors that live in shared memory: no copy in, no copy out, two barriers.
+
+The shared-memory all-reduce (:mod:`.shm`) takes vectors wherever the caller
+keeps them, so each rank first copies its vector into a shared segment, piece
+by piece, and the result is combined back into it; the average divides in a
+last pass. When the vectors themselves live in shared memory — one window on
+the node communicator holding one vector per rank (:class:`SharedVectors`),
+e.g. a model's gradient buffer allocated there once, which backward writes
+into — a rank can read its peers' vectors where they are. For a slice
+``[start, stop)`` of every rank's vector, with q ranks and rank i's part
+``[lo_i, hi_i)`` of the slice (:func:`~collectives.transport.chunks.chunk_bounds`):
+
+1. barrier: every rank's slice is final;
+2. rank i folds part i of all q vectors, in rank order, into rank 0's vector
+   (``op(op(v_0, v_1), v_2)...``), finishes it (``avg``: divides by q) and
+   copies it into the other q - 1 vectors; no other rank touches part i in
+   this phase;
+3. barrier: every vector holds the whole result.
+
+Every element is computed by the same operations in the same order as in
+:mod:`.shm` (rank order, then the division), so the result is bitwise what
+``shm`` gives, and the same on every rank.
+
+Cost for n bytes per rank: 2 alpha_shm + n beta_shm, each rank reading q
+parts of n/q bytes and writing q of them (n in all each way), against a
+copy-in, a combine reading two vectors and a division pass over the whole
+vector in :mod:`.shm`, with one barrier per :data:`~.shm.SEGMENT` bytes.
+Payload counted (:func:`~collectives.transport.p2p.count_sent`): the
+(q - 1) n / q bytes a rank writes into its peers' vectors.
+
+All ranks of the communicator must share one node's memory; only one thread
+may use a :class:`SharedVectors` at a time. Reference: Li, Hoefler & Snir,
+"NUMA-aware shared-memory collective communication for MPI", HPDC 2013 (the
+sliced reduction, here in place).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..transport import p2p
+from ..transport.chunks import chunk_bounds
+from ..transport.ops import Reduction
+from .shm import Segment
+
+_ALIGN = 64  # each rank's vector starts on its own cache line
+
+
+class SharedVectors:
+    """One vector of ``count`` elements of numpy ``dtype`` per rank of ``comm`` (a node
+    communicator), all in one shared window; collective over ``comm`` to create and to free.
+
+    Attributes:
+        mine: this rank's vector (a numpy array in shared memory, zero-filled).
+        vectors: every rank's vector, by rank.
+    """
+
+    def __init__(self, comm: MPI.Comm, count: int, dtype: Any) -> None:
+        self.dtype = np.dtype(dtype)
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        nbytes = -(-max(count, 1) * self.dtype.itemsize // _ALIGN) * _ALIGN
+        self._win = MPI.Win.Allocate_shared(nbytes, 1, comm=comm)  # type: ignore[arg-type]  # a node communicator
+        self.vectors = [
+            np.frombuffer(self._win.Shared_query(r)[0], self.dtype, count)  # type: ignore[call-overload]  # an MPI buffer
+            for r in range(self.size)
+        ]
+        self.mine = self.vectors[self.rank]
+        self.mine.fill(0)
+        self._win.Lock_all(MPI.MODE_NOCHECK)
+        self._sync = Segment(comm, capacity=_ALIGN)  # its barrier only
+        self._win.Sync()
+        self._sync.barrier()
+
+    def allreduce(self, start: int, stop: int, red: Reduction) -> None:
+        """Reduce ``[start, stop)`` of every rank's vector into every rank's, in place
+        (module docstring); collective over the node."""
+        bounds = chunk_bounds(stop - start, self.size)
+        lo, hi = start + bounds[self.rank], start + bounds[self.rank + 1]
+        self._win.Sync()
+        self._sync.barrier()
+        if hi > lo and self.size > 1:
+            parts = tuple(v[lo:hi] for v in self.vectors)
+            red.fold(parts[0], parts)
+            red.finalize(parts[0], self.size)
+            for part in parts[1:]:
+                part[...] = parts[0]
+            p2p.count_sent((self.size - 1) * parts[0].nbytes)
+        self._win.Sync()
+        self._sync.barrier()
+
+    def free(self) -> None:
+        """Release the window (collective); the vectors must no longer be used."""
+        self.vectors.clear()
+        self.mine = self.mine[:0].copy()
+        self._sync.free()
+        self._win.Unlock_all()
+        self._win.Free()
