@@ -12,15 +12,19 @@ Every worker applies the same averaged gradient to the same model, so the
 models stay bitwise identical (the all-reduce gives every rank the same bits)
 and the algorithm is mini-batch SGD with an n times larger batch.
 
-Overlap (torch models on the CPU, by default): the all-reduce of a bucket
-starts, on a service thread (:class:`~algorithms.background.Background`,
-over a private duplicate of the communicator), as soon as backward has
-accumulated all its gradients — a post-accumulate-grad hook per parameter
-reports them (:class:`~algorithms.buckets.Tracker`) — while backward goes
-on computing the earlier layers' gradients; ``step()`` launches the buckets
-still unlaunched (parameters that got no gradient), waits for those in
-flight, then runs the optimizer. The service thread touches gradients only,
-never parameters, and is idle between steps. Without overlap (numpy models,
+Overlap (``overlap=True``): the all-reduce of a bucket starts, on a service
+thread (:class:`~algorithms.background.Background`, over a private duplicate
+of the communicator), as soon as backward has accumulated all its gradients
+— a post-accumulate-grad hook per parameter reports them
+(:class:`~algorithms.buckets.Tracker`) — while backward goes on computing
+the earlier layers' gradients; ``step()`` launches the buckets still
+unlaunched (parameters that got no gradient), waits for those in flight,
+then runs the optimizer. The service thread touches gradients only, never
+parameters, and is idle between steps. It is the default for torch models on
+the CPU where every rank has a core to spare for it
+(:func:`~algorithms.background.spare_cores`); where every core computes, its
+work only takes cores from the computation (measured in
+``docs/performance.rst``). Without overlap (numpy models,
 ``overlap=False``) ``step()`` all-reduces the same buckets, in the same
 order, with the same algorithms, on the calling thread: both ways reduce
 every element with the same operations in the same order, so they give
@@ -70,7 +74,7 @@ from collectives.topology.layout import RanksPerNode, detected
 from collectives.topology.layout import layout as node_layout
 from collectives.transport.context import context
 
-from .background import Background
+from .background import Background, spare_cores
 from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
 from .flat import TorchFlatParams
@@ -89,8 +93,10 @@ class AllReduceSGD(Algorithm):
             (one number or node sizes such as "3,1"); None detects it or
             reads ``MPIDL_RANKS_PER_NODE``.
         overlap: all-reduce each bucket during backward (module docstring).
-            None: on for torch models on the CPU, off otherwise. True needs a
-            torch model; numpy models have no backward to overlap with.
+            None: on for torch models on the CPU if every rank has a core to
+            spare (:func:`~algorithms.background.spare_cores`), off otherwise.
+            True needs a torch model; numpy models have no backward to
+            overlap with.
         bucket_mb: the largest bucket, in MiB (a larger parameter is a
             bucket of its own); the same buckets are used with and without
             overlap.
@@ -149,14 +155,15 @@ class AllReduceSGD(Algorithm):
             raise ArgumentError(
                 "overlap all-reduces on a service thread: MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
             )
-        on_cpu = type(self.flat.grad_data) is np.ndarray
-        self.overlap = bool(self.overlap_arg) if self.overlap_arg is not None else hooked and threads and on_cpu
+        self._may_overlap = hooked and threads and type(self.flat.grad_data) is np.ndarray
         cap = max(1, int(self.bucket_mb * 2**20) // self.flat.grad_data.itemsize)
         self.buckets = plan(self.flat.sizes, self.flat.trainable, cap)
         bounds = np.array([(b.start, b.stop) for b in self.buckets], np.int64)
-        return (self.algorithm, self.layout, self.overlap, self.bucket_mb, crc32(bounds.tobytes()))
+        return (self.algorithm, self.layout, self.overlap_arg, self.bucket_mb, crc32(bounds.tobytes()))
 
     def _start(self) -> None:
+        arg = self.overlap_arg
+        self.overlap = bool(arg) if arg is not None else spare_cores(self.comm, self._may_overlap)
         device = "cpu" if type(self.flat.grad_data) is np.ndarray else "cuda"
         self.choice = (
             collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device)

@@ -11,10 +11,16 @@ Each result carries the payload bytes the task sent
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 from typing import Any, Callable
 
+from mpi4py import MPI
+
+from collectives.topology.layout import detected
+from collectives.transport.context import context
 from collectives.transport.p2p import bytes_sent, prompt_threads
 
 _STOP = object()
@@ -65,3 +71,18 @@ class Background:
                 self._results.put((fn(*args, **kwargs), bytes_sent() - before, None))
             except BaseException as exc:  # handed to the caller by result()
                 self._results.put((None, bytes_sent() - before, exc))
+
+
+def spare_cores(comm: MPI.Comm, wanted: bool = True) -> bool:
+    """Whether every rank of ``comm`` wants a service thread and has a core for it
+    besides its computation (collective): on each node, the cores a process may run on
+    are at least the node's ranks times (torch's intra-op threads + 1). Where they are
+    not, the thread's work takes cores from the computation, so overlapping it with the
+    computation hides nothing."""
+    ctx = context(comm)
+    node_of = detected(ctx).node_of
+    ranks_here = node_of.count(node_of[ctx.rank])
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return bool(ctx.comm.allreduce(wanted and cores >= ranks_here * (threads + 1), op=MPI.LAND))

@@ -27,22 +27,25 @@ Cost per step on worker i with degree d (m model bytes): alpha + d m beta +
 d m gamma, and d m bytes sent (2 m on a ring) — independent of n, where an
 all-reduce costs 2 m (n-1)/n per worker but latency growing with n.
 
-Overlap (torch models on the CPU, by default): averaging and gradient both
-read x(t), so the averaging need not wait for the gradient. The first
-forward pass of a step (a forward pre-hook on the model) starts it on a
-service thread (:class:`~algorithms.background.Background`, over a private
-duplicate of the communicator): x(t) is sent to the neighbors as it is
-(forward and backward only read it) and the mix is formed in a separate
-buffer (``neighbor_allreduce(..., out=)``), while the caller computes g_i.
-``step()`` starts it if no forward pass did (the hook ignores forward
-passes without gradients, such as evaluations under ``torch.no_grad()``), waits for it, mixes the float
+Overlap (``overlap=True``; the default for torch models on the CPU where
+every rank has a core to spare, :func:`~algorithms.background.spare_cores`):
+averaging and gradient both read x(t), so the averaging need not wait for
+the gradient. The first forward pass of a step (a forward pre-hook on the
+model; passes without gradients, such as evaluations under
+``torch.no_grad()``, don't count) starts it on a service thread
+(:class:`~algorithms.background.Background`, over a private duplicate of the
+communicator): x(t) is sent to the neighbors as it is (forward and backward
+only read it) and the mix is formed in a separate buffer
+(``neighbor_allreduce(..., out=)``) while the caller computes g_i.
+``step()`` starts it if no forward pass did, waits for it, mixes the float
 buffers (BatchNorm statistics, which the forward pass has just updated) in
 place as before, copies the mixed parameters in, and applies the optimizer:
-the same operations on the same values as without overlap, so the same bits.
-One copy of the model per step is the price; the parameters must not be
-changed between the step's first forward pass and ``step()``. :meth:`DPSGD.settle`
-waits for a mix in flight and drops it (the next step mixes again), after
-which the parameters may be changed (e.g. loaded from a checkpoint).
+the same operations on the same values as without overlap, so the same
+bits. One copy of the model per step is the price; the parameters must not
+be changed between the step's first forward pass and ``step()``.
+:meth:`DPSGD.settle` waits for a mix in flight and drops it (the next step
+mixes again), after which the parameters may be changed (e.g. loaded from a
+checkpoint).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from mpi4py import MPI
 from collectives import ArgumentError, neighbor_allreduce
 from collectives.transport.context import context
 
-from .background import Background
+from .background import Background, spare_cores
 from .base import Algorithm
 from .flat import TorchFlatParams
 from .topology import Topology, build
@@ -73,8 +76,9 @@ class DPSGD(Algorithm):
             built for that size.
         weights: "uniform" or "metropolis" mixing weights for a named topology.
         overlap: average the parameters while the gradient is computed (module
-            docstring). None: on for torch models on the CPU, off otherwise.
-            True needs a torch model (a forward pass to start from).
+            docstring). None: on for torch models on the CPU if every rank has
+            a core to spare (:func:`~algorithms.background.spare_cores`), off
+            otherwise. True needs a torch model (a forward pass to start from).
 
     Attributes:
         topology: the resolved topology (every rank holds the whole W).
@@ -121,11 +125,12 @@ class DPSGD(Algorithm):
             raise ArgumentError(
                 "overlap averages on a service thread: MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
             )
-        on_cpu = type(self.flat.param_data) is np.ndarray
-        self.overlap = bool(self.overlap_arg) if self.overlap_arg is not None else hooked and threads and on_cpu
-        return (topo.name, crc32(topo.W.tobytes()), self.overlap)
+        self._may_overlap = hooked and threads and type(self.flat.param_data) is np.ndarray
+        return (topo.name, crc32(topo.W.tobytes()), self.overlap_arg)
 
     def _start(self) -> None:
+        arg = self.overlap_arg
+        self.overlap = bool(arg) if arg is not None else spare_cores(self.comm, self._may_overlap)
         if not self.overlap:
             return
         # The service thread's own communicator: step() mixes the buffers on self.comm meanwhile.

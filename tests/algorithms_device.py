@@ -12,7 +12,8 @@ Checks, on every rank:
   (both combine in the same order and precision);
 * AllReduce-SGD, D-PSGD and LSGD on a CUDA torch model (float64, SGD with
   momentum) follow the same trajectory as on a CPU model, and count the
-  same bytes.
+  same bytes; AllReduce-SGD and D-PSGD also with their communication
+  overlapped (``overlap=True``, which a device model must ask for).
 
 Rank 0 prints "passed" if every rank passed; the exit status is 1 otherwise.
 """
@@ -82,7 +83,9 @@ def check_algorithms(comm: MPI.Comm) -> list[str]:
     failures = []
     for name, options in (
         ("allreduce", {"algorithm": "ring"}),
+        ("allreduce", {"algorithm": "ring", "overlap": True}),
         ("dpsgd", {"topology": "ring"}),
+        ("dpsgd", {"topology": "ring", "overlap": True}),
         ("lsgd", {"layout": 2, "algorithm": "ring"}),
     ):
         x_cpu, bytes_cpu = train(name, options, "cpu", comm)

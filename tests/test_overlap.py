@@ -7,6 +7,7 @@ nothing hangs."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from mpitest import all_ok, comm_of_size, mpiexec, on_rank0_quietly
 import algorithms
 import collectives
 from algorithms import SGD
+from algorithms.background import spare_cores
 from algorithms.buckets import Bucket, Tracker, plan
 from collectives import ArgumentError, reduction
 from collectives.kernels.resident import SharedVectors
@@ -121,14 +123,16 @@ def test_shared_vectors_give_the_bits_of_shm(size: int, dtype: str, op: str) -> 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_gradients_in_shared_memory_are_averaged_as_shm_averages(overlap: bool) -> None:
     """On one node with shm buckets the flat gradient lives in the shared window (lr 0:
-    after a step it holds the average) and leaves it at close(), values kept."""
+    after a step it holds the average) and leaves it at close(), values kept. (The
+    backward pass runs in no_sync(), so that step() launches every bucket.)"""
     comm = MPI.COMM_WORLD
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     algo = algorithms.AllReduceSGD(model, opt, comm, algorithm="shm", overlap=overlap, bucket_mb=SMALL_BUCKETS)
     x, y = batches(comm, 1)[0]
     algo.zero_grad()
-    loss(model, x, y).backward()
+    with algo.no_sync():  # nothing in flight yet: the local gradient can be read
+        loss(model, x, y).backward()
     local = algo.grads.detach().clone()
     algo.step()
     expected = collectives.allreduce(local, comm, "avg", "shm", validate=False)
@@ -168,11 +172,19 @@ def test_allreduce_overlap_gives_the_same_bits(size: int, collective: str) -> No
     assert all_ok(MPI.COMM_WORLD, ok), (collective, size)
 
 
-def test_torch_cpu_models_overlap_by_default_numpy_models_cannot() -> None:
+def test_torch_cpu_models_overlap_with_spare_cores_numpy_models_cannot() -> None:
     comm = MPI.COMM_WORLD
     model = mlp()
+    spare = spare_cores(comm)
     with algorithms.AllReduceSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), comm) as algo:
-        ok = algo.overlap and algo.bucket_algorithms and all(isinstance(a, str) for a in algo.bucket_algorithms)
+        ok = algo.overlap == spare and all(isinstance(a, str) for a in algo.bucket_algorithms)
+    with algorithms.DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), comm) as mixing:
+        ok &= mixing.overlap == spare
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_here = node.Get_size()
+    node.Free()
+    enough = len(os.sched_getaffinity(0)) >= ranks_here * (torch.get_num_threads() + 1)
+    ok &= spare == all(comm.allgather(enough))
     x = np.zeros(10, np.float32)
     with algorithms.AllReduceSGD(x, SGD(x, lr=0.1), comm, bucket_mb=1e-5) as plain:
         ok &= not plain.overlap and plain.buckets == (Bucket(0, 0, 10, (0,)),)  # one bucket: the whole gradient
@@ -243,7 +255,9 @@ def test_gradient_accumulation_with_no_sync(size: int) -> None:
         finals.append(algo.params.detach().clone())
     ok = torch.equal(*finals) and same_everywhere(comm, finals[0])
     model = mlp()
-    algo = algorithms.AllReduceSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, bucket_mb=SMALL_BUCKETS)
+    algo = algorithms.AllReduceSGD(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), comm, overlap=True, bucket_mb=SMALL_BUCKETS
+    )
     x, y = batches(comm, 1)[0]
     loss(model, x, y).backward()
     with pytest.raises(RuntimeError, match="accumulated twice"):
@@ -256,7 +270,9 @@ def test_close_after_a_backward_pass_on_one_rank_only() -> None:
     """A backward pass without a step on rank 0 alone: close() has every rank finish those buckets."""
     comm = MPI.COMM_WORLD
     model = mlp()
-    algo = algorithms.AllReduceSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, bucket_mb=SMALL_BUCKETS)
+    algo = algorithms.AllReduceSGD(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), comm, overlap=True, bucket_mb=SMALL_BUCKETS
+    )
     if comm.Get_rank() == 0:
         x, y = batches(comm, 1)[0]
         loss(model, x, y).backward()
