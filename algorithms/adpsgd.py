@@ -56,7 +56,10 @@ gradient takes longer.
 averaging in flight and sends an end marker to each passive neighbor; every
 passive worker waits until its server has received one from each active
 neighbor. Then no averaging is in flight, and none starts before the next
-step. :meth:`ADPSGD.close` settles, then stops the threads.
+step. :meth:`ADPSGD.close` settles, then stops the threads. A settled worker's
+state beyond its model and optimizer is its random generator and counters
+(:meth:`ADPSGD.state_dict`): a resumed worker draws the neighbors it would
+have drawn, though the interleaving of the workers' steps is the new run's.
 
 Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
 """
@@ -213,6 +216,22 @@ class ADPSGD(Algorithm):
             self._server.wait_for_ends(len(self.peers))
             self.comm_wait_s += time.perf_counter() - t0
             self._count_served()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, the averagings, the last peer and the neighbor generator's state (after settle())."""
+        if self._background is not None and self._background.pending:
+            raise RuntimeError("AD-PSGD state_dict() with an averaging in flight: call settle() first")
+        return {
+            **super().state_dict(),
+            "averagings": self.averagings,
+            "last_peer": self.last_peer,
+            "rng": self._rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.averagings, self.last_peer = int(state["averagings"]), state["last_peer"]
+        self._rng.bit_generator.state = state["rng"]
 
     def close(self) -> None:
         """Settle, stop the threads, free the private communicator (collective)."""

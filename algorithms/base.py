@@ -49,11 +49,21 @@ Any algorithm may keep communication in flight between steps;
 parameters stay as they are until its next step — the moment to evaluate or
 save the models.
 
+Checkpoints: after :meth:`~Algorithm.settle`, a worker's whole state is its
+model's (:attr:`Algorithm.state`: parameters and buffers), its optimizer's,
+and :meth:`Algorithm.state_dict`: the counters and what the algorithm keeps
+between steps (LSGD the gradient sum its next step applies, AD-PSGD its
+random generator, GR-SGD its exchange counts, Prague the static schedule's
+position and the group generator's state). A fresh instance of the same
+configuration continues from it after :meth:`~Algorithm.load_state_dict`.
+
 Writing a new algorithm: subclass :class:`Algorithm`, set ``name``, and
 implement :meth:`~Algorithm._step`; override :meth:`~Algorithm._configure`
 (local checks, returns the options every rank must agree on),
 :meth:`~Algorithm._start` (collective set-up), :meth:`~Algorithm.settle` and
-:meth:`~Algorithm.close` (threads, communicators) as needed; register the
+:meth:`~Algorithm.close` (threads, communicators), and
+:meth:`~Algorithm.state_dict` and :meth:`~Algorithm.load_state_dict` (state
+kept between steps) as needed; register the
 class in :data:`algorithms.ALGORITHMS`. Service threads that overlap
 communication with computation are :class:`algorithms.background.Background`.
 """
@@ -199,6 +209,27 @@ class Algorithm(ABC):
         """Release threads and communicators the algorithm holds (collective); no step
         may follow. Idempotent. Subclasses release theirs, then call this."""
         self.closed = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this worker keeps between steps besides its model and its optimizer:
+        numpy arrays (host copies) and JSON-able values, keyed by name.
+
+        Call it on every worker after :meth:`settle` (collective: LSGD sends its
+        group the gradient sum in flight). The base class holds the counters;
+        subclasses add their own state to it.
+        """
+        return {"iterations": self.iterations, "bytes_sent": self.bytes_sent, "comm_wait_s": self.comm_wait_s}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``, a :meth:`state_dict` of this configuration, before
+        the first step (local; on every worker before any worker steps on).
+
+        Raises:
+            ValueError: an array of the wrong length, or state this worker cannot use.
+        """
+        self.iterations = int(state["iterations"])
+        self.bytes_sent = int(state["bytes_sent"])
+        self.comm_wait_s = float(state["comm_wait_s"])
 
     def __enter__(self) -> Algorithm:
         return self

@@ -50,7 +50,9 @@ exchanges they have started; the one behind starts the missing one (at most
 one: a worker starts exchange e + 1 only after applying e, which needed its
 neighbor's e); then both complete and apply every exchange in flight. After
 it no exchange is in flight and the sum of all parameters is what it was,
-up to rounding. Convergence: with a constant learning rate the workers stay
+up to rounding, and both ends of every edge have started and applied the
+same number of exchanges: with the models, those counts are the whole state
+(:meth:`GRSGD.state_dict`). Convergence: with a constant learning rate the workers stay
 within O(lr / gap) of each other, as in D-PSGD; the staleness of an
 exchange's snapshots is at most ``max_lead`` + 1 steps.
 
@@ -185,6 +187,21 @@ class GRSGD(Algorithm):
                     self._begin(peer, edge)
                 if edge.pending:
                     self._finish(peer, edge)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters and ``exchanges``: the exchanges applied with each neighbor, in
+        :attr:`peers` order (after settle(), when none is in flight)."""
+        if any(edge.pending for edge in self._edges.values()):
+            raise RuntimeError("GR-SGD state_dict() with an exchange in flight: call settle() first")
+        return {**super().state_dict(), "exchanges": [edge.done for edge in self._edges.values()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        counts = [int(c) for c in state["exchanges"]]
+        if len(counts) != len(self._edges):
+            raise ValueError(f"exchanges holds counts for {len(counts)} neighbors, this worker has {len(self._edges)}")
+        for edge, count in zip(self._edges.values(), counts):
+            edge.started = edge.done = count
 
     def close(self) -> None:
         """Settle and free the private communicator (collective)."""

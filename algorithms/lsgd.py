@@ -42,6 +42,15 @@ non-representative (its reduce message), plus m per child in the broadcast
 tree, plus the inter-group all-reduce's on representatives; the in-flight
 inter-group all-reduce is counted when it completes (next step, or close).
 
+Checkpoints (:meth:`LSGD.state_dict`): between steps the pipeline holds
+the inter-group all-reduce of step t, whose result R(t) the next step
+applies. ``state_dict()`` waits for it and the representatives broadcast R(t)
+to their groups, so every worker saves it (``delayed_sum``);
+``load_state_dict()`` puts it back where step t+1 takes it, and the resumed
+run applies the same gradients bit for bit. Under another layout of the same
+ranks a resumed run applies R(t) too; with one group (no pipeline) it drops
+it and steps with its fresh gradients.
+
 Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
 """
 
@@ -50,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 import collectives
@@ -96,6 +106,7 @@ class LSGD(Algorithm):
     ) -> None:
         self.layout, self.algorithm = layout, algorithm
         self._background: Background | None = None
+        self._delayed = False  # whether the next step applies R(t-1) (the pipeline is full)
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
@@ -144,23 +155,24 @@ class LSGD(Algorithm):
                 collectives.allreduce(self.flat.grads, self._group, "avg", self.algorithm, validate=False)
             self.optimizer.step()
             return
-        g, first = self.flat.grad_data, self.iterations == 0
+        g, apply = self.flat.grad_data, self._delayed
         with self._communicating():
             reduce(g, self._intra, self._red)  # the representative now holds S_g(t)
             if self.representative:
                 fresh, last = self._inter[self.iterations % 2], self._inter[1 - self.iterations % 2]
-                if not first:
-                    self._collect()  # last = R(t-1)
-                fresh.data[:] = g
                 assert self._background is not None  # made in _start for representatives
+                if self._background.pending:
+                    self._collect()  # last = R(t-1) (state_dict() may have collected it)
+                fresh.data[:] = g
                 self._background.submit(
                     collectives.allreduce, fresh.owner, self._leaders, "sum", self.algorithm, validate=False
                 )
-                if not first:
+                if apply:
                     g[:] = last.data
-            if not first:
+            if apply:
                 broadcast(g, self._intra)
-        if not first:
+        self._delayed = True
+        if apply:
             self._red.finalize(g, self.size)  # R(t-1) / n
             self.optimizer.step()
 
@@ -169,6 +181,36 @@ class LSGD(Algorithm):
         assert self._background is not None
         _, nbytes = self._background.result()
         self.bytes_sent += nbytes
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters and, once the pipeline is full, ``delayed_sum``: R(t), the
+        gradient sum the next step applies (module docstring). Collective: the
+        representatives wait for it and broadcast it to their groups."""
+        if self.groups == 1 or not self._delayed:
+            return super().state_dict()
+        held = self._inter[(self.iterations - 1) % 2].data if self.representative else self.flat.new_buffer().data
+        if self.representative:
+            assert self._background is not None
+            if self._background.pending:
+                self._collect()
+        broadcast(held, self._intra)
+        return {**super().state_dict(), "delayed_sum": held.copy() if isinstance(held, np.ndarray) else held.get()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.groups == 1:
+            return
+        self._delayed = "delayed_sum" in state
+        if not self._delayed:
+            return
+        values, g = state["delayed_sum"], self.flat.grad_data
+        if values.shape != g.shape or values.dtype != g.dtype:
+            raise ValueError(
+                f"delayed_sum has {values.size} elements of {values.dtype}, the model {g.size} of {g.dtype}"
+            )
+        if self.representative:
+            last = self._inter[(self.iterations - 1) % 2].data
+            last[...] = array_module(last).asarray(values)
 
     def close(self) -> None:
         """Wait for the in-flight inter-group all-reduce (its result is dropped), stop the

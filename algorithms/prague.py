@@ -32,6 +32,10 @@ messages (request, notification) plus a ring all-reduce among the group,
 2 m (k-1)/k bytes. Between averagings nothing is in flight;
 :meth:`Prague.settle` pauses the service until every worker is there
 (:meth:`collectives.PReduce.settle`), serving the groups still queued.
+Settled, a worker's state beyond its model and optimizer is its counters
+(the step count says when it next averages), the static schedule's
+position and, on rank 0, the group generator's state
+(:meth:`Prague.state_dict`).
 """
 
 from __future__ import annotations
@@ -120,6 +124,15 @@ class Prague(Algorithm):
         super().settle()
         with self._communicating():
             self.preduce.settle()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters and ``preduce``, the P-Reduce's state (after settle();
+        :meth:`collectives.PReduce.state_dict`)."""
+        return {**super().state_dict(), "preduce": self.preduce.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.preduce.load_state_dict(state["preduce"])
 
     def close(self) -> None:
         """Serve the remaining drafts and stop the group generator (collective)."""

@@ -4,6 +4,7 @@ whole worker protocol (no deadlock, exact sum preservation)."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections import deque
 from fractions import Fraction
@@ -112,6 +113,31 @@ def test_random_draw_is_seeded_and_contains_requester() -> None:
     first = draws(7)
     assert first == draws(7) and first != draws(8)
     assert all(r in m and len(m) == 3 for r, m in first)
+
+
+def test_an_idle_generators_state_continues_its_draws() -> None:
+    """A checkpoint's state (through JSON) makes another generator draw the same groups
+    with the same ids; it is refused while a request is outstanding."""
+
+    def serve_all(gg: GroupGenerator, order: list[int]) -> list[tuple[int, tuple[int, ...]]]:
+        """Requests from ``order`` one at a time, each group run to completion."""
+        out = []
+        for w in order:
+            for g in gg.request(w):
+                out.append((g.gid, g.members))
+                release(gg, g.gid, g.members)
+        return out
+
+    gg = GroupGenerator(8, 3, seed=7)
+    serve_all(gg, [5, 1, 6])
+    state = json.loads(json.dumps(gg.state_dict()))
+    copy = GroupGenerator(8, 3, seed=8)
+    copy.load_state_dict(state)
+    order = [0, 4, 2, 7, 3]
+    assert serve_all(copy, order) == serve_all(gg, order)
+    gg.request(1)
+    with pytest.raises(ArgumentError, match=r"state_dict\(\) needs an idle group generator; requests outstanding"):
+        gg.state_dict()
 
 
 def test_smart_groups_waiting_workers_only() -> None:

@@ -34,6 +34,10 @@ Rules this module fixes (the seed leaves them open):
 * **Per-member release.** A member's bit clears as soon as *it* reports done;
   the group retires when all members have. (Its part of the all-reduce is
   finished then: its sends have completed and it holds the result.)
+* **State.** When GG is idle (no request outstanding, no group pending or
+  active: after a pause) what shapes its next groups is its random
+  generator; :meth:`GroupGenerator.state_dict` and ``load_state_dict``
+  save and restore it, with the next group id, for checkpoints.
 * **Closing.** ``close(w)`` says w will request no more. Closed workers can
   still be drafted (they keep serving groups) until every worker has closed
   and no group is active: then :attr:`GroupGenerator.finished` is true, and
@@ -69,7 +73,7 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -196,6 +200,20 @@ class GroupGenerator:
     def finished(self) -> bool:
         """True once every worker has closed and no group is active."""
         return len(self._closed) == self.n and not self._active
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of an idle generator (module docstring), JSON-able: the random
+        draws' generator and the next group id."""
+        self._check_idle("state_dict")
+        version, internal, gauss = self._rng.getstate()
+        return {"rng": [version, list(internal), gauss], "next_gid": self._next_gid}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``, a :meth:`state_dict` (while idle)."""
+        self._check_idle("load_state_dict")
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self._next_gid = int(state["next_gid"])
 
     # -- events ------------------------------------------------------------
 
@@ -356,6 +374,13 @@ class GroupGenerator:
                 f"and distinct workers in 0..{self.n - 1}"
             )
         return members
+
+    def _check_idle(self, what: str) -> None:
+        if self._waiting or self._queue or self._active:
+            raise ArgumentError(
+                f"{what}() needs an idle group generator; requests outstanding: {workers(self._waiting)}, "
+                f"groups pending: {len(self._queue)}, active: {len(self._active)}"
+            )
 
     def _check(self, worker: int) -> None:
         if not 0 <= worker < self.n:

@@ -25,7 +25,9 @@ Protocol (``random``/``smart``; ``static`` needs no messages to GG):
 ``settle()`` is a collective pause: each worker sends PAUSE and serves drafts
 until GG, once every worker has paused and no group is active, sends QUIET
 and accepts requests again. In between, every buffer is stable: a training
-loop evaluates the workers' models there.
+loop evaluates the workers' models there, or saves them with
+:meth:`PReduce.state_dict` (the static schedule's position; on the service
+rank the state GG had at the pause, taken by its thread before QUIET).
 
 Where GG runs: a thread on ``service_rank`` (default 0) of the caller's own
 ranks — no extra rank, so it works under a plain ``mpiexec -n N``. It talks
@@ -236,6 +238,7 @@ class PReduce:
         self._data = ctx.comm.Dup()
         self._trace: _Trace | None = _Trace.open(trace) if self.rank == service_rank else None
         self._thread: threading.Thread | None = None
+        self._service: _Service | None = None
         self._stalled: watchdog.Reporter | None = None
         if policy != "static":
             self._ctl = ctx.comm.Dup()
@@ -245,9 +248,9 @@ class PReduce:
                 gg = GroupGenerator(
                     self.size, self.group_size, policy, seed=seed, trace=self._trace.write if self._trace else None
                 )
-                service = _Service(self._ctl, gg, self._trace)
+                self._service = _Service(self._ctl, gg, self._trace)
                 self._trace = None  # the service owns it now
-                self._thread = threading.Thread(target=service.run, name="mpidl-group-generator", daemon=True)
+                self._thread = threading.Thread(target=self._service.run, name="mpidl-group-generator", daemon=True)
                 p2p.prompt_threads()
                 self._thread.start()
                 self._stalled = gg.stalled
@@ -297,6 +300,26 @@ class PReduce:
             self._tell(PAUSE)
             while self._serve(watched=False) is not None:  # others may still be training: not a stall
                 pass
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the next ``average()`` depends on besides the buffer, after
+        :meth:`settle` (JSON-able): ``iteration``, the averagings so far under
+        ``static`` (the schedule's position), and on the service rank
+        ``generator``, GG's state at the last pause."""
+        state: dict[str, Any] = {"iteration": self._iteration}
+        if self._service is not None:
+            state["generator"] = self._service.paused
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``, a :meth:`state_dict` of the same configuration and
+        rank: on every rank before any rank's next ``average()`` (local)."""
+        self._iteration = int(state["iteration"])
+        if self._service is not None:
+            if "generator" not in state:
+                raise ArgumentError("the state of the service rank holds no group generator state")
+            self._service.gg.load_state_dict(state["generator"])
+            self._service.paused = state["generator"]
 
     def close(self) -> None:
         """Collectively stop: serve remaining drafts, stop GG, free the communicators.
@@ -404,6 +427,7 @@ class _Service:
     def __init__(self, ctl: MPI.Comm, gg: GroupGenerator, trace: _Trace | None) -> None:
         self.ctl, self.gg, self.trace = ctl, gg, trace
         self.sends: list[tuple[MPI.Request, np.ndarray]] = []  # notifications in flight, with their buffers
+        self.paused = gg.state_dict()  # GG's state at the last pause (or the start)
 
     def run(self) -> None:
         try:
@@ -447,6 +471,8 @@ class _Service:
                     raise CollectiveError(
                         f"group generator: ranks {sorted(pausing)} called settle() while the others called close()"
                     )
+                if pausing:
+                    self.paused = gg.state_dict()  # before QUIET: a settled worker may read it
                 for w in range(gg.n):
                     self._send(w, QUIET if pausing else SHUTDOWN)
                 if not pausing:
