@@ -19,16 +19,27 @@ communication and the optimizer update inside ``step()`` are not stretched.
 The option may be repeated for several ranks.
 
 Checkpoints (``--checkpoint DIR``, ``--checkpoint-every K``, ``--resume``):
-after the last step, and after every K-th step, every worker saves its
-parameters, its optimizer's momentum, its counters, the loop's position and
-the metrics so far (:mod:`mpidl.checkpoint`: one file per worker, written
-atomically). ``--resume`` restores them and continues with the next step;
-since an epoch's batches depend only on (seed, epoch, rank), the resumed run
-takes exactly the steps the uninterrupted run would have, and ends with the
-same parameters and metrics (times aside). Checkpoints hold the whole state
-of AllReduce-SGD and D-PSGD; the other algorithms keep more between steps
-(LSGD an all-reduce in flight, the asynchronous ones exchange counts, random
-generators, the group generator's state), and are refused.
+after the last step, and after every K-th step, the workers settle the
+algorithm (nothing is in flight), and every worker saves its model's state
+(parameters and buffers), its optimizer's momentum, the algorithm's state
+(counters and what it keeps between steps:
+:meth:`algorithms.Algorithm.state_dict`), the loop's position and the
+metrics so far (:mod:`mpidl.checkpoint`: one file per worker, written
+atomically). ``--resume`` restores them and continues with the next step.
+Since an epoch's batches depend only on (seed, epoch, rank), a resumed run
+of an algorithm whose runs are reproducible (AllReduce-SGD, D-PSGD, LSGD,
+GR-SGD with ``--max-lead 0``, Prague with static groups) takes exactly the
+steps the uninterrupted run would have, and ends with the same parameters
+and metrics (times aside; with ``--collective auto`` as long as the job,
+which calibrates anew, chooses the same all-reduce algorithms). Where the
+workers' timing decides the updates
+(AD-PSGD, GR-SGD with a lead, Prague with random or smart groups), the
+resumed run starts from exactly the saved state, random generators
+included, and the interleaving of its steps is its own. With uneven steps
+(AD-PSGD, Prague with random or smart groups) the workers agree only at
+epoch ends, so checkpoints are taken there: after each epoch in which a
+multiple of K steps per worker falls (an epoch counting as its steps per
+worker of a synchronous run).
 
 Threads: each worker uses ``--threads`` threads for torch and for numpy's
 BLAS (default: the machine's cores divided by the ranks on it, at least 1),
@@ -146,8 +157,8 @@ ALGORITHM_OPTIONS = (
 
 _FLAG_OF = {opt.keyword: opt.dest for opt in ALGORITHM_OPTIONS}
 
-#: Algorithms whose whole state between steps is the parameters and the optimizer's: those a checkpoint can hold.
-CHECKPOINTABLE = ("allreduce", "dpsgd")
+#: The prefix of the algorithm's arrays (:meth:`algorithms.Algorithm.state_dict`) in a checkpoint.
+_ALGORITHM_ARRAY = "algorithm."
 
 
 @dataclass
@@ -444,12 +455,6 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
         raise UsageError(f"--slow names rank(s) {bad}, but there are only {comm.Get_size()} ranks")
     if config.resume and not config.checkpoint:
         raise UsageError("--resume needs --checkpoint DIR, the folder to resume from")
-    if config.checkpoint and config.algorithm not in CHECKPOINTABLE:
-        raise UsageError(
-            f"checkpoints hold parameters and optimizer state, the whole state of "
-            f"{' and '.join(CHECKPOINTABLE)}; {config.algorithm} keeps communication in flight "
-            "or state of its own between steps, which they cannot hold yet"
-        )
     dataset = data.load(config.dataset, config.data_dir, comm).subset(config.train_samples, config.test_samples)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
@@ -640,25 +645,44 @@ class _Run:
         return loss
 
     def _due(self) -> bool:
+        """Whether a ``--checkpoint-every K`` checkpoint is due: after every K-th step; with
+        uneven steps (asked at epoch ends only), after an epoch in which a multiple of K
+        steps per worker falls (module docstring)."""
         every = self.config.checkpoint_every
-        return bool(self.config.checkpoint) and every > 0 and self.step % every == 0
+        if not self.config.checkpoint or every == 0:
+            return False
+        if self.budget is None:
+            return self.step % every == 0
+        end = self.records[-1]["epoch"] * self.steps
+        return end // every > (end - self.steps) // every
 
     def _save(self) -> None:
-        """Write the checkpoint after :attr:`step` (collective)."""
+        """Settle the algorithm and write the checkpoint at the current position
+        (collective): after :attr:`step`, or with uneven steps after the last epoch
+        recorded, whose position is its steps per worker of a synchronous run (every
+        worker's own count differs; the algorithm's state keeps it)."""
         if not self.config.checkpoint:
             return
+        algo, net = self.algo, self.net
+        algo.settle()  # again at an epoch end (cheap): nothing may be in flight for the state below
+        state = algo.state_dict()
+        step = self.step if self.budget is None else self.records[-1]["epoch"] * self.steps
         info = {
             "run": self.signature(),
-            "step": self.step,
+            "step": step,
             "time_s": self.time_s,
             "epoch_s": self.epoch_s,
             "loss_sum": self.loss_sum,
             "records": self.records,
-            "bytes_sent": self.algo.bytes_sent,
-            "comm_wait_s": self.algo.comm_wait_s,
+            "algorithm": {k: v for k, v in state.items() if not isinstance(v, np.ndarray)},
         }
-        arrays = {"params": self.net.to_numpy(self.algo.params), **self.net.optimizer_state()}
-        checkpoint.save(self.config.checkpoint, self.step, self.algo.comm, arrays, info)
+        arrays = {
+            "params": net.to_numpy(algo.params),
+            **({"buffers": net.to_numpy(algo.state[algo.flat.size :])} if algo.flat.has_buffers else {}),
+            **net.optimizer_state(),
+            **{_ALGORITHM_ARRAY + k: v for k, v in state.items() if isinstance(v, np.ndarray)},
+        }
+        checkpoint.save(self.config.checkpoint, step, algo.comm, arrays, info)
 
     def restore(self) -> None:
         """Continue from the newest checkpoint in ``config.checkpoint`` (local; raises on a mismatch)."""
@@ -670,15 +694,17 @@ class _Run:
                 "the checkpoint is of another run: "
                 + "; ".join(f"{k} was {old!r}, now {new!r}" for k, (old, new) in differ.items())
             )
-        self.net.load(self.algo.params, arrays.pop("params"))
+        algo = self.algo
+        self.net.load(algo.params, arrays.pop("params"))
+        if algo.flat.has_buffers:
+            self.net.load(algo.state[algo.flat.size :], arrays.pop("buffers"))
+        state = dict(info["algorithm"])
+        for key in [k for k in arrays if k.startswith(_ALGORITHM_ARRAY)]:
+            state[key[len(_ALGORITHM_ARRAY) :]] = arrays.pop(key)
         self.net.load_optimizer_state(arrays)
+        algo.load_state_dict(state)
         self.step, self.time_s, self.epoch_s = info["step"], info["time_s"], info["epoch_s"]
         self.loss_sum, self.records = info["loss_sum"], info["records"]
-        self.algo.iterations, self.algo.bytes_sent, self.algo.comm_wait_s = (
-            info["step"],
-            info["bytes_sent"],
-            info["comm_wait_s"],
-        )
 
 
 def _describe(
@@ -772,7 +798,6 @@ def main(args: argparse.Namespace) -> int:
 
 __all__ = [
     "ALGORITHM_OPTIONS",
-    "CHECKPOINTABLE",
     "AlgorithmOption",
     "TrainConfig",
     "TrainResult",

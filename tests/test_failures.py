@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -101,82 +102,87 @@ def test_dead_rank_ends_the_job(mode: str) -> None:
     assert after < SLACK, after
 
 
+#: ``mpidl train`` options of the kill-and-resume test, and whether the run is reproducible.
+RESUMED = {
+    "allreduce": (["--algorithm", "allreduce"], True),
+    "dpsgd": (["--algorithm", "dpsgd"], True),
+    "lsgd": (["--algorithm", "lsgd", "--layout", "1", "--backend", "torch"], True),  # two groups of one
+    "grsgd-synchronous": (["--algorithm", "grsgd", "--max-lead", "0"], True),
+    "grsgd": (["--algorithm", "grsgd", "--max-lead", "2"], False),
+    "adpsgd": (["--algorithm", "adpsgd"], False),
+    "prague": (["--algorithm", "prague", "--policy", "smart"], False),
+}
+
+
+def checkpoint_files(folder: Path, step: int) -> list[tuple[dict[str, np.ndarray], dict]]:
+    """Every worker's (arrays, info) of the checkpoint after ``step``, without the timings of
+    the training since the last epoch and of the algorithm's communication."""
+    files = []
+    for r in range(2):
+        arrays = dict(np.load(folder / f"step-{step:06d}" / f"rank-{r}.npz"))
+        info = json.loads(str(arrays.pop("info")))
+        files.append((arrays, {**info, "epoch_s": 0, "algorithm": {**info["algorithm"], "comm_wait_s": 0}}))
+    return files
+
+
+def same_files(want: list[tuple[dict, dict]], got: list[tuple[dict, dict]]) -> None:
+    """Every worker's checkpoint the same: the arrays bit for bit, the rest as JSON."""
+    for (want_arrays, want_info), (got_arrays, got_info) in zip(want, got):
+        assert want_arrays.keys() == got_arrays.keys() and want_info == got_info
+        for key in want_arrays:
+            np.testing.assert_array_equal(want_arrays[key], got_arrays[key], err_msg=key)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn")
-def test_training_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("config", list(RESUMED))
+def test_training_killed_mid_run_resumes(config: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 1 of a 2-worker run (23 steps per epoch) is killed when a checkpoint is due,
+    before writing it; the job ends, and ``--resume`` continues from what it left.
+
+    Checkpoints every 10 steps, rank 1 killed at step 30; with uneven steps (checkpoints at
+    epoch ends) at the end of epoch 2. Reproducible runs: resumed from the checkpoint after
+    step 10, the run writes the one after step 20 bit for bit as the killed run did. The
+    others (3 epochs): resumed from the newest checkpoint (after step 20, or epoch 1), the
+    run restores exactly its state (saved again right after the restore) and trains on to
+    good accuracy."""
+    options, reproducible = RESUMED[config]
+    if "torch" in options and importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch")
+    uneven = config in ("adpsgd", "prague")
     out = tmp_path_factory.mktemp("killed")
-    train = [
-        "--algorithm",
-        "dpsgd",
-        "--backend",
-        "numpy",
-        "--epochs",
-        "2",
-        "--hidden",
-        "16",
-        "--no-progress",
-        "--checkpoint-every",
-        "5",
-    ]
-    whole, killed = out / "whole", out / "killed"
-
-    def uninterrupted() -> subprocess.CompletedProcess:
-        return mpiexec(
-            2,
-            ["-m", "mpidl", "train", *train, "--checkpoint", str(whole), "--json", str(out / "whole.json")],
-            timeout=180,
-        )
-
-    proc = on_rank0_quietly(uninterrupted)
-    assert proc.returncode == 0, proc.stderr
-    # 23 steps per epoch on 2 workers: rank 1 dies at step 25 (epoch 2), before
-    # the checkpoint after it, so the run resumes from step 20 (epoch 1).
+    killed = out / "killed"
+    common = [*options, "--hidden", "16", "--no-progress", "--checkpoint-every", "10"]
+    if "--backend" not in options:
+        common += ["--backend", "numpy"]
+    train = [*common, "--epochs", "2" if reproducible else "3"]
     proc, after = run(
-        2,
-        "train",
-        *train,
-        "--checkpoint",
-        str(killed),
-        "--json",
-        str(out / "killed.json"),
-        env={"FAILURE_KILL_STEP": "25"},
+        2, "train", *train, "--checkpoint", str(killed), env={"FAILURE_KILL_STEP": "46" if uneven else "30"}
     )
-    assert proc.returncode != 0 and after < SLACK, (proc.returncode, after)
+    assert proc.returncode != 0 and after < SLACK, (proc.returncode, after, proc.stderr[-3000:])
+    latest = 23 if uneven else 20  # the newest checkpoint written before the kill
+    assert on_rank0_quietly(lambda: (killed / "latest").read_text()) == f"step-{latest:06d}"
 
-    def resume() -> tuple[str, subprocess.CompletedProcess]:
-        latest = (killed / "latest").read_text()
-        return latest, mpiexec(
-            2,
-            [
-                "-m",
-                "mpidl",
-                "train",
-                *train,
-                "--checkpoint",
-                str(killed),
-                "--resume",
-                "--json",
-                str(out / "resumed.json"),
-            ],
-            timeout=180,
-        )
+    def resume(folder: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        argv = (*train, *argv, "--checkpoint", str(folder), "--resume", "--json", str(out / "resumed.json"))
+        return mpiexec(2, ["tests/scripts/failure.py", "train", *argv], timeout=180, env=env)
 
-    latest, proc = on_rank0_quietly(resume)
-    assert latest == "step-000020"
-    assert proc.returncode == 0, proc.stderr
-    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("epoch")] == ["1/2", "2/2"]
+    if reproducible:
+        again = out / "again"
 
-    def final(folder: Path, metrics: str) -> tuple[list[dict[str, np.ndarray]], list[tuple[float, float]]]:
-        """Every worker's arrays after the last step, and each epoch's (loss, accuracy)."""
-        epochs = json.loads((out / metrics).read_text())["epochs"]
-        return (
-            [dict(np.load(folder / "step-000046" / f"rank-{r}.npz")) for r in range(2)],
-            [(e["train_loss"], e["test_acc"]) for e in epochs],
-        )
+        def from_step_10() -> subprocess.CompletedProcess:
+            shutil.copytree(killed / "step-000010", again / "step-000010")
+            (again / "latest").write_text("step-000010")
+            return resume(again, "--epochs", "1")
 
-    (want, want_epochs), (got, got_epochs) = on_rank0_quietly(
-        lambda: (final(whole, "whole.json"), final(killed, "resumed.json"))
-    )
-    assert got_epochs == want_epochs
-    for w, g in zip(want, got):
-        for key in ("params", "momentum"):
-            np.testing.assert_array_equal(w[key], g[key])
+        proc = on_rank0_quietly(from_step_10)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        same_files(*on_rank0_quietly(lambda: (checkpoint_files(killed, 20), checkpoint_files(again, 20))))
+        return
+    saved = on_rank0_quietly(checkpoint_files, killed, latest)  # before the resumed run removes it
+    restored = out / "restored"
+    proc = on_rank0_quietly(resume, killed, env={"FAILURE_SAVE_RESTORED": str(restored)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    same_files(saved, on_rank0_quietly(checkpoint_files, restored, latest))
+    epochs = on_rank0_quietly(lambda: json.loads((out / "resumed.json").read_text())["epochs"])
+    assert [e["epoch"] for e in epochs] == [1, 2, 3]
+    assert epochs[-1]["test_acc"] >= 0.75, epochs

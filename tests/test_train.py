@@ -269,7 +269,6 @@ def test_grsgd_takes_equal_steps_within_its_lead(tmp_path_factory: pytest.TempPa
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--algorithm", "lsgd", "--checkpoint", "/tmp/never"], "lsgd keeps communication in flight"),
         (["--resume"], "--resume needs --checkpoint DIR"),
         (["--algorithm", "nope"], "invalid choice: 'nope'"),
         (["--slow", "3"], "bad --slow '3': use RANK:FACTOR"),

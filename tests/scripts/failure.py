@@ -7,7 +7,9 @@ Modes:
   kill     rank 1 is killed (SIGKILL) in the middle of the run.
   exit     rank 1 leaves in the middle of the run with os._exit(1) (no MPI_Finalize, no cleanup).
   train    ``mpidl train ARGS``, where rank 1 kills itself (SIGKILL) when the checkpoint
-           after step $FAILURE_KILL_STEP is due, before writing it.
+           after step $FAILURE_KILL_STEP is due, before writing it; with
+           $FAILURE_SAVE_RESTORED=DIR, a resumed run first checkpoints the state it
+           restored into DIR (to be compared with the checkpoint it resumed from).
 
 Just before it fails, the failing rank prints ``failure.py: rank R MODE at T``
 (T: time.time()) on stderr, so that a test can measure how long the job took
@@ -36,9 +38,9 @@ def announce() -> None:
 
 
 if mode == "train":
-    from mpidl import checkpoint, cli
+    from mpidl import checkpoint, cli, train
 
-    kill_step = int(os.environ["FAILURE_KILL_STEP"])
+    kill_step = int(os.environ.get("FAILURE_KILL_STEP", -1))
     save = checkpoint.save
 
     def save_or_die(directory: str, step: int, *args: object) -> None:
@@ -48,6 +50,17 @@ if mode == "train":
         save(directory, step, *args)
 
     checkpoint.save = save_or_die
+    restored_into = os.environ.get("FAILURE_SAVE_RESTORED")
+    if restored_into:
+        restore = train._Run.restore
+
+        def restore_and_save(run: train._Run) -> None:
+            restore(run)
+            folder, run.config.checkpoint = run.config.checkpoint, restored_into
+            run._save()
+            run.config.checkpoint = folder
+
+        train._Run.restore = restore_and_save
     sys.exit(cli.main(["train", *sys.argv[2:]]))
 
 x = np.ones(1000, np.float32)
