@@ -18,15 +18,23 @@ from collectives import ArgumentError, CollectiveError, GroupComm, PReduce
 pytestmark = pytest.mark.mpi
 
 
+@pytest.mark.parametrize("segment", [None, 24])
 @pytest.mark.parametrize("algorithm", list(collectives.GROUP_KERNELS))
-def test_group_comm_runs_kernels_on_concurrent_subsets(algorithm: str) -> None:
-    """Even and odd ranks reduce at the same time on one communicator, each group alone."""
+def test_group_comm_runs_kernels_on_concurrent_subsets(
+    algorithm: str, segment: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Even and odd ranks reduce at the same time on one communicator, each group alone;
+    also with blocks cut into many segments (pipelined with nonblocking transfers)."""
+    from collectives.transport import exchange
+
+    if segment is not None:
+        monkeypatch.setattr(exchange, "SEGMENT", segment)
     world = MPI.COMM_WORLD
     n, r = world.Get_size(), world.Get_rank()
     private = world.Dup()
     members = tuple(range(r % 2, n, 2))
-    x = np.arange(11, dtype=np.float64) * (r + 1) + r / 3
-    expected = sum(np.arange(11) * (m + 1) + m / 3 for m in members)
+    x = np.arange(101, dtype=np.float64) * (r + 1) + r / 3
+    expected = sum(np.arange(101) * (m + 1) + m / 3 for m in members)
     collectives.GROUP_KERNELS[algorithm](x, GroupComm(private, members), collectives.reduction("sum", "float64"))
     everyone = world.allgather(x.tobytes())
     private.Free()

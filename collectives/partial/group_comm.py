@@ -1,8 +1,9 @@
 """A group of ranks seen as a communicator, without creating one.
 
-The all-reduce kernels use only ``Get_rank``, ``Get_size`` and the blocking
-point-to-point calls ``Sendrecv``/``Send``/``Recv`` (through
-:mod:`collectives.transport.p2p`; the stall inspector also asks for
+The all-reduce kernels use only ``Get_rank``, ``Get_size`` and the
+point-to-point calls ``Sendrecv``/``Send``/``Recv`` and ``Isend``/``Irecv``
+(through :mod:`collectives.transport.p2p`; the segmented exchange pipelines
+its segments with the nonblocking pair; the stall inspector also asks for
 ``Get_group``). :class:`GroupComm` offers exactly those on a subset
 of a parent communicator, translating group ranks to parent ranks, so every
 kernel runs unchanged among the members of a P-Reduce group. Creating one is
@@ -67,6 +68,12 @@ class GroupComm:
 
     def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: Any = None) -> None:
         self.comm.Recv(buf, self._parent(source), tag, status)
+
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
+        return self.comm.Isend(buf, self._parent(dest), tag)
+
+    def Irecv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
+        return self.comm.Irecv(buf, self._parent(source), tag)
 
     def world_ranks(self) -> tuple[int, ...]:
         """The ``MPI_COMM_WORLD`` rank of every member, in group order (for byte counts by peer)."""
