@@ -10,7 +10,8 @@ temporary name in the step folder, flushes and fsyncs it, and renames it into
 place (``os.replace``, atomic on POSIX), so a worker's file is either complete
 or absent. After a barrier — every worker's file is in place — rank 0
 replaces ``latest`` the same way, then removes the step folders older than
-the newest :data:`KEEP`. A job that dies at any point leaves ``latest``
+the newest :data:`KEEP` and any newer than the one just written (left by a
+run that was resumed from an earlier checkpoint). A job that dies at any point leaves ``latest``
 naming a complete checkpoint (or no ``latest`` at all); a half-written step
 folder is ignored and overwritten by the next run.
 
@@ -69,8 +70,12 @@ def save(directory: str, step: int, comm: MPI.Comm, arrays: dict[str, np.ndarray
     comm.Barrier()
     if comm.Get_rank() == 0:
         _replace_atomically(os.path.join(directory, _LATEST), lambda f: f.write(step_name(step).encode()))
+        current = step_name(step)
         done = sorted(name for name in os.listdir(directory) if name.startswith("step-"))
-        for old in done[:-KEEP]:
+        # Newer folders are a run that was resumed from an earlier checkpoint (possibly half
+        # written): they are gone. Of the rest, the newest KEEP stay.
+        older = [name for name in done if name <= current]
+        for old in [name for name in done if name > current] + older[:-KEEP]:
             shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     comm.Barrier()
 

@@ -177,6 +177,10 @@ class NodeBytes:
         finally:
             self._excluded += self._sent() - before
 
+    def carry(self, nbytes: int) -> None:
+        """Count ``nbytes`` sent before (by the run a checkpoint continues)."""
+        self._excluded -= nbytes
+
     @property
     def total(self) -> int:
         """Bytes sent to other nodes so far, the excluded blocks' left out."""

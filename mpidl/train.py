@@ -675,6 +675,7 @@ class _Run:
             "loss_sum": self.loss_sum,
             "records": self.records,
             "algorithm": {k: v for k, v in state.items() if not isinstance(v, np.ndarray)},
+            "internode_bytes": self.node_bytes.total,
         }
         arrays = {
             "params": net.to_numpy(algo.params),
@@ -688,6 +689,12 @@ class _Run:
         """Continue from the newest checkpoint in ``config.checkpoint`` (local; raises on a mismatch)."""
         assert self.config.checkpoint, "restore() without a checkpoint folder"
         arrays, info = checkpoint.load(self.config.checkpoint, self.algo.rank)
+        missing = sorted({"run", "step", "time_s", "epoch_s", "loss_sum", "records", "algorithm"} - set(info))
+        if missing:
+            raise UsageError(
+                f"the checkpoint in {self.config.checkpoint} lacks {', '.join(missing)}: "
+                "written by an earlier mpidl, it cannot be resumed"
+            )
         differ = {k: (v, self.signature()[k]) for k, v in info["run"].items() if self.signature().get(k) != v}
         if differ:
             raise UsageError(
@@ -705,6 +712,7 @@ class _Run:
         algo.load_state_dict(state)
         self.step, self.time_s, self.epoch_s = info["step"], info["time_s"], info["epoch_s"]
         self.loss_sum, self.records = info["loss_sum"], info["records"]
+        self.node_bytes.carry(info.get("internode_bytes", 0))
 
 
 def _describe(

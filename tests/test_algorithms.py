@@ -427,6 +427,7 @@ def test_batchnorm_statistics_follow_what_the_algorithm_averages(name: str) -> N
         with torch.no_grad():
             bn.running_mean.fill_(rank)
             bn.running_var.fill_(10 * rank)
+        comm.Barrier()  # every worker's statistics are set before any averaging (AD-PSGD's servers answer at once)
         steps = 4 if algo.uneven_steps else 1
         for _ in range(steps):
             algo.zero_grad()

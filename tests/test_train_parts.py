@@ -8,8 +8,9 @@ import importlib.util
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
-from mpidl import data, models
+from mpidl import checkpoint, data, models
 from mpidl.cli import build_parser
 from mpidl.train import UsageError, config_from_args, parse_slow
 
@@ -267,3 +268,17 @@ def test_bad_values_are_refused_by_the_parser(argv: list[str], message: str, cap
     from mpi4py import MPI
 
     assert message in err if MPI.COMM_WORLD.Get_rank() == 0 else err == ""
+
+
+def test_checkpoints_keep_the_two_newest_and_drop_those_of_an_abandoned_continuation(tmp_path) -> None:
+    """Complete checkpoints after steps 10 and 20, a job killed while writing step 30: resumed
+    from 20, its checkpoint after step 25 removes the half-written 30 and the oldest, 10."""
+    for step in (10, 20):
+        checkpoint.save(str(tmp_path), step, MPI.COMM_SELF, {"x": np.full(3, step)}, {"step": step})
+    (tmp_path / "step-000030").mkdir()
+    (tmp_path / "step-000030" / ".tmp-half-written").write_bytes(b"\0" * 10)
+    assert checkpoint.load(str(tmp_path), 0)[1] == {"step": 20}
+    checkpoint.save(str(tmp_path), 25, MPI.COMM_SELF, {"x": np.full(3, 25)}, {"step": 25})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000020", "step-000025"]
+    arrays, info = checkpoint.load(str(tmp_path), 0)
+    assert info == {"step": 25} and arrays["x"].tolist() == [25] * 3
