@@ -59,7 +59,7 @@ Li et al., "PyTorch Distributed", VLDB 2020.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable
 from zlib import crc32
@@ -68,7 +68,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from collectives import ArgumentError, reduction
+from collectives import ArgumentError, as_flat, reduction
 from collectives.kernels.resident import SharedVectors
 from collectives.topology.layout import RanksPerNode, detected
 from collectives.topology.layout import layout as node_layout
@@ -189,6 +189,9 @@ class AllReduceSGD(Algorithm):
         self.resident = self._shared is not None
         grads = self.flat.grads
         self._slices = [grads[b.start : b.stop] for b in self.buckets]
+        offsets = np.cumsum((0, *self.flat.sizes))
+        self._offsets = [int(o) for o in offsets[:-1]]
+        self._bucketed = [i for b in self.buckets for i in b.params]
         if not self.overlap:
             return
         context(self._comm)
@@ -198,7 +201,7 @@ class AllReduceSGD(Algorithm):
         assert isinstance(flat, TorchFlatParams)  # overlap is resolved for torch models only
         for b in self.buckets:
             for i in b.params:
-                self._hooks.append(flat.views[i][0].register_post_accumulate_grad_hook(self._ready(flat, i)))
+                self._hooks.append(flat.views[i][0].register_post_accumulate_grad_hook(self._ready(i)))
 
     def _resident(self) -> bool:
         """Whether the gradients can live in shared memory (module docstring): a torch
@@ -231,25 +234,54 @@ class AllReduceSGD(Algorithm):
         finally:
             self._sync = True
 
-    def _ready(self, flat: TorchFlatParams, i: int) -> Callable[[Any], None]:
-        """The hook of parameter ``i``: its gradient is in the flat buffer (re-pointed
-        there if ``zero_grad(set_to_none=True)`` broke the aliasing), and final."""
+    def _ready(self, i: int) -> Callable[[Any], None]:
+        """The hook of parameter ``i``: its gradient is final."""
 
         def hook(_: Any) -> None:
             if self._sync:
-                flat.collect_grad(i)
                 self._tracker.report(i)
 
         return hook
 
+    def zero_grad(self) -> None:
+        """Zero the gradients. With the gradients in shared memory, set them to None
+        instead (as ``optimizer.zero_grad()`` does): backward then writes fresh ones
+        and each bucket's all-reduce reads them where they are, which saves zeroing
+        the flat buffer and adding into it; ``step()`` points them back at it."""
+        if self._shared is None:
+            super().zero_grad()
+            return
+        self.flat.drop_grads(self._bucketed)
+
+    def _collect_grads(self) -> None:
+        if self._shared is None:
+            super()._collect_grads()
+
+    def _prepare(self, bucket: Bucket) -> Sequence[tuple[int, Any]]:
+        """Ready ``bucket``'s gradients for its all-reduce (on the calling thread): in the
+        flat buffer, or, for an all-reduce in shared memory, where backward left them,
+        as (offset, array) pieces for :meth:`SharedVectors.allreduce`."""
+        flat = self.flat
+        if self._shared is None or self.bucket_algorithms[bucket.index] != "shm":
+            for i in bucket.params:
+                flat.collect_grad(i)
+            return ()
+        pieces = []
+        for i in bucket.params:
+            grad = flat.outside_grad(i)
+            if grad is not None:
+                pieces.append((self._offsets[i], as_flat(grad).data))
+        return pieces
+
     def _launch(self, bucket: Bucket) -> None:
         assert self._background is not None
-        self._background.submit(self._reduce, bucket)
+        self._background.submit(self._reduce, bucket, self._prepare(bucket))
 
-    def _reduce(self, bucket: Bucket) -> None:
-        """All-reduce (average) ``bucket``'s slice of the flat gradient, in place."""
+    def _reduce(self, bucket: Bucket, pieces: Sequence[tuple[int, Any]]) -> None:
+        """All-reduce (average) ``bucket``'s slice of the flat gradient, in place
+        (``pieces``: see :meth:`_prepare`)."""
         if self._shared is not None and self.bucket_algorithms[bucket.index] == "shm":
-            self._shared.allreduce(bucket.start, bucket.stop, self._red)
+            self._shared.allreduce(bucket.start, bucket.stop, self._red, pieces)
             return
         collectives.allreduce(
             self._slices[bucket.index],
@@ -269,11 +301,13 @@ class AllReduceSGD(Algorithm):
         with self._communicating():
             if self._background is None:
                 for b in self.buckets:
-                    self._reduce(b)
+                    self._reduce(b, self._prepare(b))
             else:
                 self._tracker.flush()
                 self._tracker.reset()
                 self._drain()
+        if self._shared is not None:
+            self.flat.point_grads(self._bucketed)
         self.optimizer.step()
 
     def _drain(self) -> None:

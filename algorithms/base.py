@@ -194,7 +194,7 @@ class Algorithm(ABC):
             if values.shape != self.flat.grad_data.shape:
                 raise ValueError(f"gradient has {values.size} elements, the model {self.flat.size}")
             np.copyto(self.flat.grad_data, values)
-        self.flat.collect_grads()
+        self._collect_grads()
         self._step()
         self.iterations += 1
 
@@ -250,6 +250,11 @@ class Algorithm(ABC):
 
     def _start(self) -> None:
         """Collective set-up after the ranks agreed (sub-communicators, threads)."""
+
+    def _collect_grads(self) -> None:
+        """Make the flat gradient buffer hold the gradients, before :meth:`_step`
+        (an algorithm that reads them where they are overrides it)."""
+        self.flat.collect_grads()
 
     @abstractmethod
     def _step(self) -> None:

@@ -104,6 +104,23 @@ class FlatParams:
     def collect_grads(self) -> None:
         """Make sure the flat gradient buffer holds the current gradients (numpy: nothing to do)."""
 
+    def collect_grad(self, i: int) -> None:
+        """:meth:`collect_grads` for parameter ``i`` alone (numpy: nothing to do)."""
+
+    def outside_grad(self, i: int) -> Any:
+        """Parameter ``i``'s gradient if it lies outside the flat buffer (see
+        :class:`TorchFlatParams`), else None (numpy: always None)."""
+        return None
+
+    def drop_grads(self, indices: Sequence[int]) -> None:
+        """Let the next backward pass write the gradients of parameters ``indices`` into
+        fresh tensors instead of adding into the flat buffer (torch: ``p.grad = None``;
+        numpy: nothing to do)."""
+
+    def point_grads(self, indices: Sequence[int]) -> None:
+        """Point the gradients of parameters ``indices`` back at the flat buffer, which
+        holds their values already (numpy: nothing to do)."""
+
     def new_buffer(self) -> FlatBuffer:
         """A new, uninitialised buffer of the gradients' kind, dtype and length (e.g. to
         keep a copy in flight while the gradient buffer is reused)."""
@@ -192,6 +209,30 @@ class TorchFlatParams(FlatParams):
         """
         for i in range(len(self.views)):
             self.collect_grad(i)
+
+    def outside_grad(self, i: int) -> Any:
+        """Parameter ``i``'s gradient where backward left it outside the flat buffer
+        (after ``zero_grad(set_to_none=True)`` it steals a fresh tensor), contiguous; or
+        None once the flat buffer holds it (:meth:`collect_grad` zeroes a missing one
+        there and copies a strided one in)."""
+        p, view = self.views[i]
+        grad = p.grad
+        if grad is not None and not _aliases(grad, view) and grad.is_contiguous():
+            return grad
+        self.collect_grad(i)
+        return None
+
+    def drop_grads(self, indices: Sequence[int]) -> None:
+        for i in indices:
+            self.views[i][0].grad = None
+
+    def point_grads(self, indices: Sequence[int]) -> None:
+        """Point the gradients of parameters ``indices`` (trainable, or with a
+        gradient) at their views of the flat buffer, which holds their values already."""
+        for i in indices:
+            p, view = self.views[i]
+            if p.requires_grad or p.grad is not None:
+                p.grad = view
 
     def collect_grad(self, i: int) -> None:
         """:meth:`collect_grads` for parameter ``i`` alone (e.g. from its gradient hook)."""

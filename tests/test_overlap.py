@@ -101,9 +101,10 @@ def test_tracker_launches_in_plan_order_once() -> None:
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 @pytest.mark.parametrize("op", ["avg", "sum"])
 def test_shared_vectors_give_the_bits_of_shm(size: int, dtype: str, op: str) -> None:
-    """Slices of length 0, 1, < q, odd and the whole vector, reduced in place: every
-    rank's vector holds what collectives.allreduce(..., "shm") gives, bit for bit, and
-    the elements outside the slice are untouched."""
+    """Slices of length 0, 1, < q, odd and the whole vector, reduced in place, with this
+    rank's contribution in its vector or partly in private pieces: every rank's vector
+    holds what collectives.allreduce(..., "shm") gives, bit for bit, and the elements
+    outside the slice are untouched."""
     comm = comm_of_size(size)  # a block of one rank (3 of 4) checks the trivial case
     count = 1037
     rng = np.random.default_rng([7, comm.Get_rank()])
@@ -111,10 +112,18 @@ def test_shared_vectors_give_the_bits_of_shm(size: int, dtype: str, op: str) -> 
     ok = True
     for start, stop in [(5, 5), (5, 6), (10, 12), (100, 357), (0, count)]:
         values = rng.standard_normal(count).astype(dtype)
-        shared.mine[:] = values
-        shared.allreduce(start, stop, reduction(op, dtype))
         expected = values.copy()
         collectives.allreduce(expected[start:stop], comm, op, "shm", validate=False)
+        shared.mine[:] = values
+        shared.allreduce(start, stop, reduction(op, dtype))
+        ok &= shared.mine.tobytes() == expected.tobytes()
+        # The same contribution, its first and last thirds in private arrays (pieces): the
+        # vector's stale contents there are not read.
+        a, b = start + (stop - start) // 3, stop - (stop - start) // 3
+        pieces = [(start, values[start:a].copy()), (b, values[b:stop].copy())]
+        shared.mine[:] = values
+        shared.mine[start:a] = shared.mine[b:stop] = np.nan
+        shared.allreduce(start, stop, reduction(op, dtype), pieces)
         ok &= shared.mine.tobytes() == expected.tobytes()
     shared.free()
     assert all_ok(MPI.COMM_WORLD, ok), (size, dtype, op)
@@ -133,7 +142,7 @@ def test_gradients_in_shared_memory_are_averaged_as_shm_averages(overlap: bool) 
     algo.zero_grad()
     with algo.no_sync():  # nothing in flight yet: the local gradient can be read
         loss(model, x, y).backward()
-    local = algo.grads.detach().clone()
+    local = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # where backward left them
     algo.step()
     expected = collectives.allreduce(local, comm, "avg", "shm", validate=False)
     ok = algo.resident == (comm.Get_size() > 1) and torch.equal(algo.grads, expected)

@@ -36,6 +36,7 @@ sliced reduction, here in place).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,8 @@ from ..transport.ops import Reduction
 from .shm import Segment
 
 _ALIGN = 64  # each rank's vector starts on its own cache line
+#: Bytes combined at a time: each block is folded, finished and copied out while it is in cache.
+BLOCK = 256 << 10
 
 
 class SharedVectors:
@@ -74,20 +77,45 @@ class SharedVectors:
         self._win.Sync()
         self._sync.barrier()
 
-    def allreduce(self, start: int, stop: int, red: Reduction) -> None:
+    def allreduce(self, start: int, stop: int, red: Reduction, pieces: Sequence[tuple[int, Any]] = ()) -> None:
         """Reduce ``[start, stop)`` of every rank's vector into every rank's, in place
-        (module docstring); collective over the node."""
+        (module docstring); collective over the node.
+
+        ``pieces``: (offset, array) pairs, disjoint, within ``[start, stop)``, whose
+        arrays (1-D, of the vectors' dtype) hold this rank's contribution to
+        ``[offset, offset + len)`` instead of its vector (e.g. gradients a backward pass
+        left in private memory). Only the parts the other ranks reduce are copied into
+        the vector, before the first barrier; this rank reads its own part from the
+        arrays. Its vector holds the result all the same."""
         bounds = chunk_bounds(stop - start, self.size)
         lo, hi = start + bounds[self.rank], start + bounds[self.rank + 1]
+        mine = self.mine
+        for offset, values in pieces:
+            end = offset + values.shape[0]
+            if offset < lo:
+                mine[offset : min(end, lo)] = values[: min(end, lo) - offset]
+            if end > hi:
+                mine[max(offset, hi) : end] = values[max(offset, hi) - offset :]
         self._win.Sync()
         self._sync.barrier()
         if hi > lo and self.size > 1:
-            parts = tuple(v[lo:hi] for v in self.vectors)
-            red.fold(parts[0], parts)
-            red.finalize(parts[0], self.size)
-            for part in parts[1:]:
-                part[...] = parts[0]
-            p2p.count_sent((self.size - 1) * parts[0].nbytes)
+            block = max(1, BLOCK // self.dtype.itemsize)
+            for a, b, own in _segments(lo, hi, pieces):
+                for c in range(a, b, block):
+                    d = min(c + block, b)
+                    parts = [v[c:d] for v in self.vectors]
+                    out = parts[0]
+                    if own is not None:
+                        parts[self.rank] = own[c - a : d - a]
+                    red.fold(out, tuple(parts))
+                    red.finalize(out, self.size)
+                    for v in self.vectors[1:]:
+                        v[c:d] = out
+            p2p.count_sent((self.size - 1) * (hi - lo) * self.dtype.itemsize)
+        elif hi > lo:
+            for a, b, own in _segments(lo, hi, pieces):
+                if own is not None:
+                    mine[a:b] = own
         self._win.Sync()
         self._sync.barrier()
 
@@ -98,3 +126,21 @@ class SharedVectors:
         self._sync.free()
         self._win.Unlock_all()
         self._win.Free()
+
+
+def _segments(lo: int, hi: int, pieces: Sequence[tuple[int, Any]]) -> list[tuple[int, int, Any]]:
+    """``[lo, hi)`` cut at the pieces' ends: (a, b, the piece's array over [a, b), or None
+    where this rank's vector holds its contribution), in order."""
+    out: list[tuple[int, int, Any]] = []
+    at = lo
+    for offset, values in sorted(pieces, key=lambda piece: piece[0]):
+        a, b = max(offset, lo), min(offset + values.shape[0], hi)
+        if a >= b:
+            continue
+        if a > at:
+            out.append((at, a, None))
+        out.append((a, b, values[a - offset : b - offset]))
+        at = b
+    if at < hi:
+        out.append((at, hi, None))
+    return out
