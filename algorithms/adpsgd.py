@@ -61,7 +61,8 @@ state beyond its model and optimizer is its random generator and counters
 (:meth:`ADPSGD.state_dict`): a resumed worker draws the neighbors it would
 have drawn, though the interleaving of the workers' steps is the new run's.
 
-Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
+Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default). The service threads make the
+model's CUDA device current when they start (:func:`collectives.transport.gpu.use_device`).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives import ArgumentError, reduction
-from collectives.transport import p2p
+from collectives.transport import gpu, p2p
 from collectives.transport.buffers import array_module
 from collectives.transport.scratch import scratch
 
@@ -158,7 +159,7 @@ class ADPSGD(Algorithm):
         if not self.peers:
             return
         if self.active:
-            self._background = Background(f"adpsgd-averaging-rank{self.rank}")
+            self._background = Background(f"adpsgd-averaging-rank{self.rank}", gpu.device_of(self.flat.state_data))
         else:
             self._server = _Server(self)
 
@@ -273,6 +274,7 @@ class _Server:
     def _run(self) -> None:
         algo = self.algo
         comm, x, lock = algo._comm, algo.flat.state_data, algo._lock
+        gpu.use_device(gpu.device_of(x))
         theirs = scratch(x, x.shape[0])
         status, backoff = MPI.Status(), p2p.Backoff()
         while not self._stopping:

@@ -72,6 +72,7 @@ from collectives import ArgumentError, as_flat, reduction
 from collectives.kernels.resident import SharedVectors
 from collectives.topology.layout import RanksPerNode, detected
 from collectives.topology.layout import layout as node_layout
+from collectives.transport import gpu
 from collectives.transport.context import context
 
 from .background import Background, spare_cores
@@ -195,7 +196,7 @@ class AllReduceSGD(Algorithm):
         if not self.overlap:
             return
         context(self._comm)
-        self._background = Background(f"allreduce-buckets-rank{self.rank}")
+        self._background = Background(f"allreduce-buckets-rank{self.rank}", gpu.device_of(self.flat.grad_data))
         self._tracker = Tracker(self.buckets, len(self.flat.sizes), self._launch)
         flat = self.flat
         assert isinstance(flat, TorchFlatParams)  # overlap is resolved for torch models only

@@ -6,7 +6,9 @@ and collect its result on a later step. Tasks run one at a time, in the order
 submitted, on one thread, so a task may own a communicator that no other
 thread uses (MPI must provide ``MPI_THREAD_MULTIPLE``, mpi4py's default).
 Each result carries the payload bytes the task sent
-(:func:`collectives.transport.p2p.bytes_sent` counts per thread).
+(:func:`collectives.transport.p2p.bytes_sent` counts per thread). A thread
+whose tasks touch device buffers makes their device current when it starts
+(``device``; :func:`collectives.transport.gpu.use_device`).
 """
 
 from __future__ import annotations
@@ -21,18 +23,21 @@ from mpi4py import MPI
 
 from collectives.topology.layout import detected
 from collectives.transport.context import context
+from collectives.transport.gpu import use_device
 from collectives.transport.p2p import bytes_sent, prompt_threads
 
 _STOP = object()
 
 
 class Background:
-    """One daemon thread running submitted tasks in order."""
+    """One daemon thread running submitted tasks in order, with CUDA device ``device``
+    current (:func:`collectives.transport.gpu.device_of` the buffers the tasks touch;
+    None for host buffers)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, device: int | None = None) -> None:
         self._tasks: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(device,), name=name, daemon=True)
         prompt_threads()
         self._thread.start()
         self.pending = 0
@@ -60,7 +65,12 @@ class Background:
         self._tasks.put(_STOP)
         self._thread.join()
 
-    def _run(self) -> None:
+    def _run(self, device: int | None) -> None:
+        failed: BaseException | None = None
+        try:
+            use_device(device)
+        except BaseException as exc:  # every task fails with it: result() raises, never waits
+            failed = exc
         while True:
             task = self._tasks.get()
             if task is _STOP:
@@ -68,6 +78,8 @@ class Background:
             fn, args, kwargs = task
             before = bytes_sent()
             try:
+                if failed is not None:
+                    raise failed
                 self._results.put((fn(*args, **kwargs), bytes_sent() - before, None))
             except BaseException as exc:  # handed to the caller by result()
                 self._results.put((None, bytes_sent() - before, exc))

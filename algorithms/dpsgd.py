@@ -58,6 +58,7 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives import ArgumentError, neighbor_allreduce
+from collectives.transport import gpu
 from collectives.transport.context import context
 
 from .background import Background, spare_cores
@@ -137,7 +138,7 @@ class DPSGD(Algorithm):
         self._comm = self.comm.Dup()
         context(self._comm)
         self._mixed = self.flat.new_buffer()
-        self._background = Background(f"dpsgd-mix-rank{self.rank}")
+        self._background = Background(f"dpsgd-mix-rank{self.rank}", gpu.device_of(self.flat.param_data))
         self._hook = self._module.register_forward_pre_hook(self._forward_starts)
 
     def _forward_starts(self, *_: Any) -> None:

@@ -68,6 +68,7 @@ from collectives.kernels.reduce_broadcast import broadcast, reduce
 from collectives.topology.hierarchy import node_comms
 from collectives.topology.layout import RanksPerNode
 from collectives.topology.layout import layout as node_layout
+from collectives.transport import gpu
 from collectives.transport.buffers import array_module
 from collectives.transport.context import context
 
@@ -142,7 +143,7 @@ class LSGD(Algorithm):
             context(self._leaders)
             self._resolve(self._leaders)
             self._inter = (self.flat.new_buffer(), self.flat.new_buffer())
-            self._background = Background(f"lsgd-inter-group-rank{self.rank}")
+            self._background = Background(f"lsgd-inter-group-rank{self.rank}", gpu.device_of(self.flat.grad_data))
 
     def _resolve(self, comm: MPI.Comm) -> None:
         """Make "auto" choose (and calibrate) now, not inside a timed step."""

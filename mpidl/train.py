@@ -419,6 +419,8 @@ def _setup(config: TrainConfig, local: MPI.Comm, dataset: data.Dataset) -> tuple
         import torch
 
         device = f"cuda:{local.Get_rank() % max(1, torch.cuda.device_count())}"
+        if torch.cuda.is_available():  # else models.make says so
+            torch.cuda.set_device(device)  # this thread's collectives run there too (collectives.transport.gpu)
     net = models.make(
         config.model,
         dataset.shape,

@@ -13,7 +13,12 @@ Checks, on every rank:
 * AllReduce-SGD, D-PSGD and LSGD on a CUDA torch model (float64, SGD with
   momentum) follow the same trajectory as on a CPU model, and count the
   same bytes; AllReduce-SGD and D-PSGD also with their communication
-  overlapped (``overlap=True``, which a device model must ask for).
+  overlapped (``overlap=True``, which a device model must ask for);
+* AD-PSGD, LSGD and Prague with the model on the rank's device (local rank
+  mod the GPU count, made current on the caller's thread as ``mpidl train``
+  does): every device and pinned allocation of their service threads
+  happens with that device current (a new thread starts on device 0), the
+  group generator's thread makes none, and the caller's device stays.
 
 Rank 0 prints "passed" if every rank passed; the exit status is 1 otherwise.
 """
@@ -21,6 +26,7 @@ Rank 0 prints "passed" if every rank passed; the exit status is 1 otherwise.
 from __future__ import annotations
 
 import sys
+import threading
 
 import cupy
 import numpy as np
@@ -97,9 +103,45 @@ def check_algorithms(comm: MPI.Comm) -> list[str]:
     return failures
 
 
+def check_service_threads(comm: MPI.Comm) -> list[str]:
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    device = local.Get_rank() % cupy.cuda.runtime.getDeviceCount()
+    local.Free()
+    gpu.use_device(device)  # the caller's thread, as mpidl train sets it (last check: it stays)
+    seen: list[tuple[str, int]] = []  # (thread, current device) of every allocation
+    pool, pinned = cupy.get_default_memory_pool(), cupy.get_default_pinned_memory_pool()
+
+    def watched(malloc):
+        def alloc(nbytes: int):
+            seen.append((threading.current_thread().name, cupy.cuda.runtime.getDevice()))
+            return malloc(nbytes)
+
+        return alloc
+
+    cupy.cuda.set_allocator(watched(pool.malloc))
+    cupy.cuda.set_pinned_memory_allocator(watched(pinned.malloc))
+    try:
+        for name, options in (("adpsgd", {}), ("lsgd", {"layout": 1, "algorithm": "ring"}), ("prague", {})):
+            train(name, options, f"cuda:{device}", comm)
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+        cupy.cuda.set_pinned_memory_allocator(pinned.malloc)
+    failures = sorted({f"{t}: an allocation with device {d} current, not {device}" for t, d in seen if d != device})
+    threads = {t for t, _ in seen}
+    r = comm.Get_rank()
+    serving = {f"adpsgd-averaging-rank{r}" if r % 2 == 0 else f"adpsgd-server-rank{r}", f"lsgd-inter-group-rank{r}"}
+    if comm.Get_size() > 1 and not serving <= threads:
+        failures.append(f"threads that allocated: {sorted(threads)}, expected {sorted(serving)} among them")
+    if "mpidl-group-generator" in threads:
+        failures.append("the group generator's thread allocated device or pinned memory")
+    if cupy.cuda.runtime.getDevice() != device:
+        failures.append(f"the caller's device changed from {device} to {cupy.cuda.runtime.getDevice()}")
+    return failures
+
+
 def main() -> int:
     comm = MPI.COMM_WORLD
-    failures = check_neighbor(comm) + check_algorithms(comm)
+    failures = check_neighbor(comm) + check_algorithms(comm) + check_service_threads(comm)
     everyone = comm.gather(failures)
     if comm.Get_rank() == 0:
         print(f"GPU transport {gpu.PATH}")

@@ -36,10 +36,12 @@ PAUSE and CLOSE from any source and answering with ``Isend`` so that it never
 waits for a worker. It and the waiting workers poll for messages with short,
 growing sleeps (:class:`~collectives.transport.p2p.Backoff`) rather than block: a
 blocking MPI receive busy-waits, and would take a core from the workers
-computing next to it. Needs ``MPI_THREAD_MULTIPLE``
-(mpi4py's default). ``close()`` is collective: each worker sends CLOSE and
-keeps serving drafts until GG, once all workers have closed and no group is
-active, sends SHUTDOWN; then the thread ends and the communicators are freed.
+computing next to it. It handles host control messages only (buffers are
+averaged on the workers' own threads), so it needs no CUDA device. Needs
+``MPI_THREAD_MULTIPLE`` (mpi4py's default). ``close()`` is collective: each
+worker sends CLOSE and keeps serving drafts until GG, once all workers have
+closed and no group is active, sends SHUTDOWN; then the thread ends and the
+communicators are freed.
 
 Why it cannot deadlock (every worker calls ``average()`` repeatedly and then
 ``close()``):

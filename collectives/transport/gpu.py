@@ -26,6 +26,18 @@ probe still runs).
 
 Host-only algorithms (the shared-memory all-reduce) run on a host copy of a
 device buffer (:func:`on_host`).
+
+Threads. CUDA's current device is a property of the thread, and a new thread
+starts on device 0: a service thread of a rank on device 1 would allocate its
+scratch and pinned staging buffers, synchronise its stream and launch its
+reductions on device 0 (a context there that nobody asked for, kernels on
+another device's arrays). So every thread that touches device buffers, other
+than the caller's, calls :func:`use_device` with the device of the buffer it
+serves (:func:`device_of`) when it starts: the training algorithms'
+service threads (:class:`algorithms.background.Background`, AD-PSGD's
+server). For host buffers that is nothing, once per thread. The caller's own
+thread is the caller's to set (``torch.cuda.set_device``), as with any CUDA
+library; ``mpidl train`` sets the rank's device.
 """
 
 from __future__ import annotations
@@ -101,6 +113,37 @@ def _from_cuda_tensor(t: Any) -> FlatBuffer:
 
 
 buffers.DEVICE_ADAPTERS.append(_from_device)
+
+
+def device_of(buf: Any) -> int | None:
+    """The CUDA device ordinal of ``buf`` (a CuPy array or a CUDA torch tensor), or
+    None for host memory (a numpy array, a CPU tensor)."""
+    if type(buf).__module__.startswith("cupy"):
+        return int(buf.device.id)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buf, torch.Tensor) and buf.device.type == "cuda":
+        return int(buf.device.index)
+    return None
+
+
+def use_device(device: int | None) -> None:
+    """Make ``device`` the calling thread's current CUDA device, for CuPy and for
+    torch (if it has initialised CUDA), for the rest of the thread; None does nothing.
+
+    A thread that allocates, stages or reduces device buffers calls it with
+    :func:`device_of` the buffer it serves when it starts (module docstring).
+    Nothing is restored: the device a new thread starts on is 0, and making it
+    current again would create a context there (``cudaSetDevice`` does, since
+    CUDA 12).
+    """
+    if device is None:
+        return
+    import cupy
+
+    cupy.cuda.Device(device).use()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.set_device(device)
 
 
 # --- transport ----------------------------------------------------------------

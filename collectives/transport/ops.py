@@ -108,14 +108,20 @@ def _bfloat16_view(a: Any) -> Any:
 
     if isinstance(a, np.ndarray):
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.as_tensor(a.view("int16"), device="cuda").view(torch.bfloat16)
+    return torch.as_tensor(a.view("int16"), device=_device(torch, a)).view(torch.bfloat16)
 
 
 def _float32_view(a: Any) -> Any:
     """A float32 array as a torch tensor (no copy)."""
     import torch
 
-    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.as_tensor(a, device="cuda")
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.as_tensor(a, device=_device(torch, a))
+
+
+def _device(torch: Any, a: Any) -> Any:
+    """The torch device of the CuPy array ``a`` (its own: "cuda" alone would be the
+    thread's current device, and a tensor there a copy)."""
+    return torch.device("cuda", a.device.id)
 
 
 def _bfloat16_ufunc(name: str) -> Callable[..., None]:
