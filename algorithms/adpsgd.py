@@ -34,7 +34,9 @@ before or after an averaging, never a partial result.
 No deadlock: only active workers wait for another worker, and only for a
 passive worker's server, which waits for nobody (it takes only its own
 worker's lock, held by that worker's main thread only for an optimizer step).
-So there is no cycle of waits, under any timing.
+So there is no cycle of waits, under any timing. A server that fails
+(an exception on its thread) aborts the job rather than leave its active
+neighbors waiting.
 
 Graph (``topology``): any bipartite topology of :mod:`algorithms.topology`
 (a name or a :class:`~algorithms.topology.Topology`); the default is the ring
@@ -67,8 +69,10 @@ model's CUDA device current when they start (:func:`collectives.transport.gpu.us
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Hashable
 from typing import Any
 from zlib import crc32
@@ -272,6 +276,14 @@ class _Server:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:  # the active neighbors would wait for this server forever: fail loudly
+            traceback.print_exc()
+            sys.stderr.flush()
+            self.algo._comm.Abort(1)
+
+    def _serve(self) -> None:
         algo = self.algo
         comm, x, lock = algo._comm, algo.flat.state_data, algo._lock
         gpu.use_device(gpu.device_of(x))
