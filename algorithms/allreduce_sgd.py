@@ -35,12 +35,17 @@ choice).
 Shared memory: when every rank is on one node and the buckets' algorithm is
 ``shm`` (what ``auto`` picks there), the flat gradient of a torch model on
 the CPU is allocated in a shared window, one vector per rank
-(:class:`collectives.kernels.resident.SharedVectors`), so backward writes
-the gradients straight where the peers read them, and a bucket's all-reduce
-runs in place with two barriers: no copy into a shared segment, no copy
-back, no separate division pass. Each element is computed as ``shm`` computes
-it, so the bits are those ``shm`` gives. :meth:`AllReduceSGD.close` moves
-the gradients back into private memory.
+(:class:`collectives.kernels.resident.SharedVectors`), and a bucket's
+all-reduce runs there in place with two barriers, combining, dividing and
+copying out block by block in cache (``shm`` copies the whole vector into
+its segment and divides in a pass of its own). There
+:meth:`AllReduceSGD.zero_grad` sets the gradients to None rather than
+zeroing the buffer: backward writes fresh tensors (no zeroing pass, no pass
+adding into the buffer), and each bucket reads this rank's part of them
+where they are and copies in only the parts the peers reduce; ``step()``
+points the gradients back at the buffer, which then holds the average. Each element is computed as ``shm`` computes
+it, so the bits are those ``shm`` gives. :meth:`AllReduceSGD.close` moves the
+gradients back into private memory.
 
 Gradient accumulation over several backward passes: all but the last run
 inside :meth:`AllReduceSGD.no_sync`, which keeps them from reporting; a

@@ -13,18 +13,28 @@ into — a rank can read its peers' vectors where they are. For a slice
 1. barrier: every rank's slice is final;
 2. rank i folds part i of all q vectors, in rank order, into rank 0's vector
    (``op(op(v_0, v_1), v_2)...``), finishes it (``avg``: divides by q) and
-   copies it into the other q - 1 vectors; no other rank touches part i in
-   this phase;
+   copies it into the other q - 1 vectors, :data:`BLOCK` bytes at a time so
+   that the three passes find the block in cache; no other rank touches
+   part i in this phase;
 3. barrier: every vector holds the whole result.
+
+A rank's contribution may also lie outside its vector, in private arrays
+(``pieces``: e.g. the fresh gradient tensors a backward pass leaves when the
+gradients were set to None): before the first barrier the rank copies into
+its vector only what the other ranks reduce, (q - 1)/q of it, and folds its
+own part straight from the arrays.
 
 Every element is computed by the same operations in the same order as in
 :mod:`.shm` (rank order, then the division), so the result is bitwise what
 ``shm`` gives, and the same on every rank.
 
 Cost for n bytes per rank: 2 alpha_shm + n beta_shm, each rank reading q
-parts of n/q bytes and writing q of them (n in all each way), against a
-copy-in, a combine reading two vectors and a division pass over the whole
-vector in :mod:`.shm`, with one barrier per :data:`~.shm.SEGMENT` bytes.
+parts of n/q bytes and writing q of them (n in all each way; with pieces,
+(q - 1) n / q more copied in), against a copy-in, a combine reading two
+vectors and a division pass over the whole vector in :mod:`.shm`, with one
+barrier per :data:`~.shm.SEGMENT` bytes. Measured for 16.6 MiB of float32 on
+two ranks of the development machine: 1.1 ms, 2.8 ms with the whole
+contribution in pieces, against 3.4 ms for ``shm``.
 Payload counted (:func:`~collectives.transport.p2p.count_sent`): the
 (q - 1) n / q bytes a rank writes into its peers' vectors.
 
