@@ -21,7 +21,9 @@ from algorithms.background import spare_cores
 from algorithms.buckets import Bucket, Tracker, plan
 from collectives import ArgumentError, reduction
 from collectives.kernels.resident import SharedVectors
+from collectives.transport.chunks import chunk_bounds
 from collectives.transport.context import context
+from collectives.transport.p2p import bytes_sent
 
 pytestmark = pytest.mark.mpi
 torch = pytest.importorskip("torch")
@@ -115,8 +117,12 @@ def test_shared_vectors_give_the_bits_of_shm(size: int, dtype: str, op: str) -> 
         expected = values.copy()
         collectives.allreduce(expected[start:stop], comm, op, "shm", validate=False)
         shared.mine[:] = values
+        before = bytes_sent()
         shared.allreduce(start, stop, reduction(op, dtype))
         ok &= shared.mine.tobytes() == expected.tobytes()
+        part = chunk_bounds(stop - start, comm.Get_size())
+        mine = part[comm.Get_rank() + 1] - part[comm.Get_rank()]
+        ok &= bytes_sent() - before == (comm.Get_size() - 1) * mine * np.dtype(dtype).itemsize  # results for peers
         # The same contribution, its first and last thirds in private arrays (pieces): the
         # vector's stale contents there are not read.
         a, b = start + (stop - start) // 3, stop - (stop - start) // 3
