@@ -133,6 +133,8 @@ def run(args: argparse.Namespace, comm: MPI.Comm) -> tuple[list[Result], dict[st
 
     names = [n for n in args.candidates.split(",") if n]
     unknown = [n for n in names if n not in CANDIDATES]
+    if not names:
+        raise ValueError(f"no candidate; valid: {', '.join(CANDIDATES)}")
     if unknown:
         raise ValueError(f"unknown candidate(s) {unknown}; valid: {', '.join(CANDIDATES)}")
     if min(args.steps, args.repeat, args.batch_size) < 1 or args.warmup < 0:
@@ -157,11 +159,10 @@ def run(args: argparse.Namespace, comm: MPI.Comm) -> tuple[list[Result], dict[st
     for name in names:
         net = fresh()
         steps[name] = _candidate(name, net, x, y, comm, args, closers, described)
-    first = fresh()
     describe = {
-        "model": first.name,
-        "parameters": first.parameters,
-        "bytes": first.parameters * 4,
+        "model": net.name,
+        "parameters": net.parameters,
+        "bytes": net.parameters * 4,  # float32
         "batch_size": args.batch_size,
         "ranks": comm.Get_size(),
         "threads": threads,
@@ -217,8 +218,13 @@ def _candidate(
         return _training_step(module, x, y, opt.zero_grad, opt.step)
     if name == "comm":
         buf = torch.zeros(net.parameters)
-        call = lambda: collectives.allreduce(buf, comm, "avg", args.collective, validate=False)  # noqa: E731
-        return lambda: (0.0, 0.0, 0.0, _timed(call))
+
+        def alone() -> tuple[float, float, float, float]:
+            t0 = _clock()
+            collectives.allreduce(buf, comm, "avg", args.collective, validate=False)
+            return (0.0, 0.0, 0.0, _clock() - t0)
+
+        return alone
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -233,17 +239,12 @@ def _candidate(
     algo = algorithms.create(kind, module, opt, comm, overlap=bool(overlap), **options)
     closers.append(algo.close)
     if isinstance(algo, algorithms.AllReduceSGD):
-        described["buckets"] = [b.size * 4 for b in algo.buckets]
+        described["buckets"] = [b.size * algo.flat.grad_data.itemsize for b in algo.buckets]
         described["bucket_algorithms"] = list(algo.bucket_algorithms)
+        described["resident"] = algo.resident
         if algo.choice is not None:
             described["collective"] = f"auto ({algo.choice.algorithm})"
     return _training_step(module, x, y, algo.zero_grad, algo.step)
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = _clock()
-    fn()
-    return _clock() - t0
 
 
 def _training_step(module: Any, x: Any, y: Any, zero: Callable[[], object], step: Callable[[], object]) -> Step:
@@ -302,6 +303,7 @@ def main(args: argparse.Namespace) -> int:
     if comm.Get_rank() == 0:
         buckets = meta.get("buckets")
         plan = f", {len(buckets)} buckets (largest {max(buckets) / 2**20:.1f} MiB)" if buckets else ""
+        plan += ", gradients in shared memory" if meta.get("resident") else ""
         print(
             f"# mpidl step-bench: {meta['model']} ({meta['parameters']:,} parameters, "
             f"{meta['bytes'] / 2**20:.1f} MiB), batch {meta['batch_size']} per rank, {meta['ranks']} ranks, "
