@@ -94,6 +94,7 @@ def _parser(kind: Callable[[str], T], accept: Callable[[T], bool], wanted: str) 
 _positive_int = _parser(int, lambda v: v > 0, "a positive int")
 _nonnegative_int = _parser(int, lambda v: v >= 0, "an integer >= 0")
 _nonnegative_float = _parser(float, lambda v: v >= 0, "a number >= 0")
+_on_off = _parser({"on": True, "off": False}.get, lambda v: v is not None, "on or off")
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,8 @@ class AlgorithmOption:
 
     def applies_to(self) -> list[str]:
         """Names of the algorithms that take this option."""
-        return [
-            name for name, cls in algorithms.ALGORITHMS.items() if self.keyword in inspect.signature(cls).parameters
-        ]
+        every = {**algorithms.ALGORITHMS, **peers.PEERS}
+        return [name for name, cls in every.items() if self.keyword in inspect.signature(cls).parameters]
 
 
 #: Algorithm options of the command line; each goes to the algorithms whose constructor takes its keyword.
@@ -152,6 +152,19 @@ ALGORITHM_OPTIONS = (
         "period",
         "static policy: averagings a partition of the workers is kept (default 1)",
         type=_positive_int,
+    ),
+    AlgorithmOption(
+        "--overlap",
+        "overlap",
+        "on: communicate during forward and backward; off: after them (default: on where every rank "
+        "has a core to spare)",
+        type=_on_off,
+    ),
+    AlgorithmOption(
+        "--bucket-mb",
+        "bucket_mb",
+        "the largest gradient bucket, in MiB (default 4; DDP's 25)",
+        type=_parser(float, lambda v: v > 0, "a positive number"),
     ),
 )
 

@@ -275,6 +275,8 @@ def test_grsgd_takes_equal_steps_within_its_lead(tmp_path_factory: pytest.TempPa
         (["--slow", "2:3"], "--slow names rank(s) [2], but there are only 2 ranks"),
         (["--algorithm", "allreduce", "--topology", "ring"], "--topology does not apply to --algorithm allreduce"),
         (["--algorithm", "grsgd", "--policy", "smart"], "--policy does not apply to --algorithm grsgd"),
+        (["--algorithm", "lsgd", "--overlap", "on"], "--overlap does not apply to --algorithm lsgd"),
+        (["--overlap", "maybe"], "expected on or off, got 'maybe'"),
         (["--algorithm", "prague", "--group-size", "3"], "group_size must be an integer in 1..2"),
         (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent"], "not found in /nonexistent"),
     ],
