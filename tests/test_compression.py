@@ -159,8 +159,9 @@ def build(spec: str, length: int, **options) -> compression.Compressor:
 )
 def test_error_feedback_conserves_the_signal(spec: str, aggregation: str) -> None:
     """Summed over steps and ranks, what the aggregates applied plus the final residuals
-    is the sum of the gradients (float64, to a few rounding errors per term); the residual
-    memory is split into two buckets of one gradient (``offset=``)."""
+    (and n times the server memories of the reduce-scatter compressors) is the sum of the
+    gradients (float64, to a few rounding errors per term); the memory is split into two
+    buckets of one gradient (``offset=``)."""
     comm, n, r = WORLD, WORLD.Get_size(), WORLD.Get_rank()
     d, steps, half = 700, 12, 300
     c = build(spec, d, aggregation=aggregation)
@@ -178,10 +179,11 @@ def test_error_feedback_conserves_the_signal(spec: str, aggregation: str) -> Non
             ef.allreduce(grads[half:], comm, offset=half, algorithm="ring")
         applied += grads
         magnitude += (np.abs(g) + n * np.abs(grads)) / getattr(c, "ratio", 1)  # random-k scales by d/k
-    assert ef.residual is not None
+    assert ef.residual is not None and (ef.server is not None) == (c.aggregation == "reduce_scatter")
+    server = np.zeros(d) if ef.server is None else ef.server
     total = comm.allreduce(given)
-    kept = n * applied + comm.allreduce(ef.residual)
-    scale = comm.allreduce(magnitude + np.abs(ef.residual))
+    kept = n * applied + comm.allreduce(ef.residual) + n * comm.allreduce(server)
+    scale = comm.allreduce(magnitude + np.abs(ef.residual) + n * np.abs(server))
     assert all_ok(comm, bool(np.all(np.abs(total - kept) <= 64 * 2.0**-53 * scale))), np.abs(total - kept).max()
     assert all_ok(comm, spread(comm, applied) == 0)  # bitwise identical on all ranks
 
@@ -346,6 +348,7 @@ def test_bad_arguments_raise_on_every_rank_and_move_nothing() -> None:
         (lambda: qsgd.allreduce(x, comm, op="max"), "supports ops sum, avg, not 'max'"),
         (lambda: qsgd.allreduce(x, comm, algorithm="fastest"), "unknown algorithm 'fastest'"),
         (lambda: qsgd.allreduce(x, comm, residual=np.zeros(10 + (r == 0), np.float32)), "must match the buffer"),
+        (lambda: qsgd.allreduce(x, comm, server=np.zeros(10, np.float64)), "the server memory (10 float64) must"),
         (lambda: build("powersgd:1", 10 if r else 12).allreduce(x, comm), "[0]: powersgd: the layout covers 12"),
     ]
     disagreeing = [  # fine on each rank, but not alike

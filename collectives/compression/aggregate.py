@@ -36,8 +36,10 @@ vector of d elements, and a payload of P bytes:
    + gamma_encode). Each rank sends 2 (n-1)/n P bytes (chunks of equal
    size): P / m of the uncompressed ring all-reduce's bytes, whatever n. The
    sum is encoded twice, so a biased codec's second error is returned in the
-   residual of the rank that made it (times n for ``avg``), see
-   :mod:`.base`; with one rank the vector is encoded once.
+   residual of the rank that made it (times n for ``avg``), or, given a
+   server memory, kept there and added to the chunk's sum before the next
+   step's second encoding (see :mod:`.base`); with one rank the vector is
+   encoded once.
 
 Both take the codec's methods (:class:`Codec`).
 """
@@ -60,13 +62,15 @@ from .memory import ACCUMULATOR, PAYLOAD, RECEIVED, TABLE
 
 class Call(NamedTuple):
     """One aggregation's arguments, resolved: the caller's communicator, its
-    context (whose private duplicate the messages use), the op and the all-reduce
-    algorithm (for the linear compressors)."""
+    context (whose private duplicate the messages use), the op, the all-reduce
+    algorithm (for the linear compressors) and the server memory of
+    :func:`scatter` (work precision, the vector's length, or None)."""
 
     comm: MPI.Comm
     ctx: Context
     op: str
     algorithm: str
+    server: Any = None
 
 
 class Codec(Protocol):
@@ -99,7 +103,8 @@ def gather(codec: Codec, x: Any, residual: Any, call: Call) -> None:
 def scatter(codec: Codec, x: Any, residual: Any, call: Call) -> None:
     """Replace ``x`` by the sum (avg: mean) of the ranks' encoded ``x``, by
     reduce-scatter, re-encoding and all-gather (module docstring); ``residual``
-    (or None) gets x - C(x) plus this rank's share of the second encoding's error."""
+    (or None) gets x - C(x) plus this rank's share of the second encoding's error,
+    which goes to ``call.server`` instead when there is one."""
     xp = array_module(x)
     n, r = call.ctx.size, call.ctx.rank
     elems, offsets = chunks(codec, x.shape[0], n, x.dtype)
@@ -123,13 +128,18 @@ def scatter(codec: Codec, x: Any, residual: Any, call: Call) -> None:
     acc = scratch(x, elems[r + 1] - elems[r], ACCUMULATOR)
     _decode_sum(codec, [mine if i == r else received[i * size : (i + 1) * size] for i in range(n)], acc)
     _finish(acc, call.op, n)
+    kept = None if call.server is None else call.server[elems[r] : elems[r + 1]]
+    if kept is not None:
+        xp.add(acc, kept, out=acc)
     codec._encode(acc, mine)
     for s in range(1, n):
         dest, source = (r + s) % n, (r - s) % n
         sendrecv(comm, mine, dest, parts[source][1], source)
     for chunk, payload in parts:
         codec._decode(payload, chunk)
-    if residual is not None:  # the second encoding's error, as the ranks' sum sees it
+    if kept is not None:  # the second encoding's error, kept for the next step
+        xp.subtract(acc, parts[r][0], out=kept)
+    elif residual is not None:  # the second encoding's error, as the ranks' sum sees it
         xp.subtract(acc, parts[r][0], out=acc)
         if call.op == "avg":
             xp.multiply(acc, n, out=acc)

@@ -4,7 +4,7 @@ What is sent: the buffer as it is (``allreduce``: :func:`collectives.allreduce`
 of the buffer in its own dtype, any algorithm: a ring sends 2 (n-1)/n m
 bytes per rank); ``compress`` returns the values in work precision (float32
 for half-precision buffers, so that nothing is lost). Unbiased and exact:
-the residual is zero.
+the residual is zero (and a server memory is left as it is).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Identity(Compressor):
         op: str = "avg",
         *,
         residual: Any = None,
+        server: Any = None,
         algorithm: str = DEFAULT_ALGORITHM,
         validate: bool | None = None,
     ) -> Any:

@@ -18,7 +18,7 @@ from ..transport.buffers import array_module
 from ..transport.scratch import scratch
 
 # Scratch slots of this package; a codec's own temporaries take CODEC, CODEC + 1, ...
-WORK, RESIDUAL, DECODED, PAYLOAD, RECEIVED, ACCUMULATOR, EXTRA, TABLE, INDEX = range(100, 109)
+WORK, RESIDUAL, DECODED, PAYLOAD, RECEIVED, ACCUMULATOR, EXTRA, TABLE, INDEX, SERVER = range(100, 110)
 CODEC = 110
 
 
