@@ -52,6 +52,23 @@ inside :meth:`AllReduceSGD.no_sync`, which keeps them from reporting; a
 gradient accumulated twice outside it in one step is an error (its bucket may
 already be in flight).
 
+Compression (``compression="NAME[:PARAM]"``, :mod:`algorithms.compressed`):
+each bucket is aggregated by a compressor of its own
+(:meth:`collectives.compression.Compressor.allreduce`: the average of what
+the ranks sent, bitwise identical on all ranks; PowerSGD is given the
+bucket's matrices, :meth:`~algorithms.flat.FlatParams.layout`), with a
+per-worker error-feedback memory per bucket
+(:class:`~algorithms.error_feedback.ErrorFeedback`: on by default for sign,
+top-k and PowerSGD, ``error_feedback=`` switches it), on the calling thread
+or, with overlap, on the service thread, in the same order either way. The
+bucket's all-reduce algorithm is that of the linear compressors' all-reduces
+(PowerSGD's P and Q, random-k's values). A compressed run uses the ordinary
+flat gradient: never shared memory, where copying bytes costs less than
+encoding them (measured in ``docs/performance.rst``). The memory is
+algorithm state (:meth:`AllReduceSGD.state_dict`: ``residual``, and
+``server`` for the compressors that encode the average again). Bytes per
+step: each compressor's (its module docstring), per bucket.
+
 Cost per step: one all-reduce of the model's size m bytes, in b buckets; with
 the ring, 2(n-1) b alpha + 2 m (n-1)/n beta + m (n-1)/n gamma, and each
 worker sends 2 m (n-1)/n bytes, the bandwidth lower bound. With overlap the
@@ -83,6 +100,7 @@ from collectives.transport.context import context
 from .background import Background, spare_cores
 from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
+from .compressed import CompressedSlices, resolve
 from .flat import TorchFlatParams
 
 
@@ -106,6 +124,11 @@ class AllReduceSGD(Algorithm):
         bucket_mb: the largest bucket, in MiB (a larger parameter is a
             bucket of its own); the same buckets are used with and without
             overlap.
+        compression: None (or "none"), or a compressor spec "NAME[:PARAM]" of
+            :data:`collectives.COMPRESSORS` for every bucket (module docstring).
+        error_feedback: keep each worker's compression residual for its next
+            gradient (None: the compressor's default, on for the biased ones).
+        seed: seeds the compressors' random numbers (qsgd, random-k, PowerSGD).
 
     Attributes:
         choice: for "auto", the cost model's choice for the whole model's size
@@ -115,6 +138,8 @@ class AllReduceSGD(Algorithm):
         bucket_algorithms: the all-reduce algorithm of each bucket.
         resident: whether the flat gradient lives in shared memory, where the
             ``shm`` buckets are all-reduced in place (module docstring).
+        compression: the buckets' compressors and error-feedback memory
+            (:class:`~algorithms.compressed.CompressedSlices`), or None.
     """
 
     name = "allreduce"
@@ -129,11 +154,16 @@ class AllReduceSGD(Algorithm):
         layout: RanksPerNode = None,
         overlap: bool | None = None,
         bucket_mb: float = DEFAULT_BUCKET_MB,
+        compression: str | None = None,
+        error_feedback: bool | None = None,
+        seed: int = 0,
         **common: Any,
     ) -> None:
         self.algorithm = algorithm
         self.layout = layout
         self.overlap_arg, self.bucket_mb = overlap, bucket_mb
+        self.compression_arg, self.error_feedback_arg, self.seed = compression, error_feedback, seed
+        self.compression: CompressedSlices | None = None
         self._background: Background | None = None
         self._shared: SharedVectors | None = None
         self._hooks: list[Any] = []
@@ -165,7 +195,16 @@ class AllReduceSGD(Algorithm):
         cap = max(1, int(self.bucket_mb * 2**20) // self.flat.grad_data.itemsize)
         self.buckets = plan(self.flat.sizes, self.flat.trainable, cap)
         bounds = np.array([(b.start, b.stop) for b in self.buckets], np.int64)
-        return (self.algorithm, self.layout, self.overlap_arg, self.bucket_mb, crc32(bounds.tobytes()))
+        self._compression = resolve(self.compression_arg, self.error_feedback_arg, self.flat.layout())
+        return (
+            self.algorithm,
+            self.layout,
+            self.overlap_arg,
+            self.bucket_mb,
+            crc32(bounds.tobytes()),
+            self._compression,
+            self.seed if self._compression else None,
+        )
 
     def _start(self) -> None:
         arg = self.overlap_arg
@@ -188,7 +227,11 @@ class AllReduceSGD(Algorithm):
         self._frozen = [p for p, _ in getattr(self.flat, "views", ()) if not p.requires_grad]
         # With overlap, the service thread's own communicator: the caller may use self.comm meanwhile.
         self._comm = self.comm.Dup() if self.overlap else self.comm
-        if "shm" in self.bucket_algorithms and self._resident():
+        if self._compression is not None:
+            spec, feedback = self._compression
+            bounds = [(b.start, b.stop) for b in self.buckets]
+            self.compression = CompressedSlices(spec, feedback, self.flat.grads, bounds, self.flat.layout(), self.seed)
+        elif "shm" in self.bucket_algorithms and self._resident():
             self._red = reduction("avg", self.flat.dtype)
             self._shared = SharedVectors(context(self._comm).comm, self.flat.size, self.flat.grad_data.dtype)
             self._move_grads(self._shared.mine)
@@ -289,6 +332,10 @@ class AllReduceSGD(Algorithm):
         if self._shared is not None and self.bucket_algorithms[bucket.index] == "shm":
             self._shared.allreduce(bucket.start, bucket.stop, self._red, pieces)
             return
+        if self.compression is not None:
+            k = bucket.index
+            self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_algorithms[k])
+            return
         collectives.allreduce(
             self._slices[bucket.index],
             self._comm,
@@ -327,6 +374,17 @@ class AllReduceSGD(Algorithm):
                 failure = failure or exc
         if failure is not None:
             raise failure
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters and, with error feedback, this worker's memories of what
+        compression dropped (:meth:`algorithms.compressed.CompressedSlices.state_dict`)."""
+        extra = self.compression.state_dict() if self.compression is not None else {}
+        return {**super().state_dict(), **extra}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.compression is not None:
+            self.compression.load_state_dict(state)
 
     def close(self) -> None:
         """Remove the hooks, finish what is in flight, stop the thread, move the gradients

@@ -46,6 +46,36 @@ be changed between the step's first forward pass and ``step()``.
 :meth:`DPSGD.settle` waits for a mix in flight and drops it (the next step
 mixes again), after which the parameters may be changed (e.g. loaded from a
 checkpoint).
+
+Compressed gossip, CHOCO-SGD (``compression="NAME[:PARAM]"``; Koloskova,
+Stich & Jaggi, "Decentralized Stochastic Optimization and Gossip Algorithms
+with Compressed Communication", ICML 2019, Algorithm 2 in its memory-efficient
+form). Worker i keeps, besides its state x_i (parameters and float buffers),
+a public copy x^_i of it, which its neighbors rebuild from the same payloads,
+and s_i = sum_j W_ij x^_j over its in-neighbors and itself. Each step:
+
+1. x_i <- the local optimizer's step with g_i (computed at x_i);
+2. q_i = C((x_i - x^_i) / (1 + omega)) is sent to the neighbors and theirs
+   received (omega > 0 for the unbiased compressors of large variance,
+   :func:`algorithms.compressed.variance_factor`: random-k's d/k scale
+   undone, so that C / (1 + omega) is a contraction as CHOCO needs);
+   x^_i += q_i, s_i += W_ii q_i + sum_j W_ij q_j
+   (:func:`collectives.neighbor_exchange`);
+3. x_i <- x_i + gamma (s_i - x^_i), the consensus step.
+
+Since 1^T W = 1^T, sum_i s_i = sum_i x^_i: the consensus step never moves
+the mean of the models (to rounding), and with C the identity and gamma = 1
+step 3 is D-PSGD's averaging of the copies. No error feedback: x_i - x^_i
+carries what earlier payloads left out. The consensus step size gamma
+(:data:`algorithms.compressed.GAMMA`) is 1 for the casts and smaller for the
+coarser compressors (measured, ``docs/training.rst``). x^_i and s_i start at
+the common initial model when ``broadcast_init`` makes every worker start
+there (every worker knows its neighbors' public copies), else at 0, as in
+the paper. They are algorithm state (:meth:`DPSGD.state_dict`: ``public``,
+``mixed``). Compressed gossip does not overlap (``overlap=True`` is
+refused): its payload is encoded from the model after the optimizer step.
+Bytes per step: d_out payloads (the compressor's ``payload_nbytes`` of the
+state), against d_out m for D-PSGD.
 """
 
 from __future__ import annotations
@@ -57,12 +87,14 @@ from zlib import crc32
 import numpy as np
 from mpi4py import MPI
 
-from collectives import ArgumentError, neighbor_allreduce
+from collectives import ArgumentError, Compressor, neighbor_allreduce, neighbor_exchange
 from collectives.transport import gpu
 from collectives.transport.context import context
 
 from .background import Background, spare_cores
 from .base import Algorithm
+from .compressed import compressor_for, consensus_step, host_copy, load_into, resolve, variance_factor
+from .error_feedback import zeros_like
 from .flat import TorchFlatParams
 from .topology import Topology, build
 
@@ -80,10 +112,18 @@ class DPSGD(Algorithm):
             docstring). None: on for torch models on the CPU if every rank has
             a core to spare (:func:`~algorithms.background.spare_cores`), off
             otherwise. True needs a torch model (a forward pass to start from).
+        compression: None (or "none"): D-PSGD; a compressor spec "NAME[:PARAM]"
+            of :data:`collectives.COMPRESSORS`: CHOCO-SGD's compressed gossip of the
+            state (module docstring).
+        gamma: CHOCO-SGD's consensus step size in (0, 1] (None: the
+            compressor's, :data:`algorithms.compressed.GAMMA`).
+        seed: seeds the compressor's random numbers.
 
     Attributes:
         topology: the resolved topology (every rank holds the whole W).
         overlap: whether the averaging runs during forward and backward.
+        compressor: CHOCO-SGD's compressor, or None.
+        gamma: CHOCO-SGD's consensus step size, or None.
     """
 
     name = "dpsgd"
@@ -97,14 +137,23 @@ class DPSGD(Algorithm):
         topology: str | Topology = "ring",
         weights: str = "uniform",
         overlap: bool | None = None,
+        compression: str | None = None,
+        gamma: float | None = None,
+        seed: int = 0,
         **common: Any,
     ) -> None:
         self.topology_arg, self.weights, self.overlap_arg = topology, weights, overlap
+        self.compression_arg, self.gamma_arg, self.seed = compression, gamma, seed
+        self.compressor: Compressor | None = None
+        self.gamma: float | None = None
         self._module = model
         self._background: Background | None = None
         self._hook: Any = None
         self._in_flight = False
         super().__init__(model, optimizer, comm, **common)
+        if self.compressor is not None and common.get("broadcast_init", True):
+            self._public[...] = self.flat.state
+            self._mixed[...] = self.flat.state
 
     def _configure(self) -> Hashable:
         topo = self.topology_arg
@@ -127,9 +176,35 @@ class DPSGD(Algorithm):
                 "overlap averages on a service thread: MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
             )
         self._may_overlap = hooked and threads and type(self.flat.param_data) is np.ndarray
-        return (topo.name, crc32(topo.W.tobytes()), self.overlap_arg)
+        self._configure_choco()
+        return (
+            topo.name,
+            crc32(topo.W.tobytes()),
+            self.overlap_arg,
+            self.compressor and self.compressor.spec,
+            self.gamma,
+        )
+
+    def _configure_choco(self) -> None:
+        """Resolve the compressor and gamma of CHOCO-SGD (locally)."""
+        layout = self.flat.layout()
+        if self.flat.has_buffers:  # the state's float buffers, sent as they come
+            layout.append((self.flat.size, (self.flat.state_data.shape[0] - self.flat.size,)))
+        resolved = resolve(self.compression_arg, None, layout)
+        if resolved is None:
+            if self.gamma_arg is not None:
+                raise ArgumentError("gamma is CHOCO-SGD's consensus step size: it needs a compression")
+            return
+        if self.overlap_arg:
+            raise ArgumentError("compressed gossip (CHOCO-SGD) does not overlap: use overlap=False or None")
+        self._may_overlap = False
+        self.compressor = compressor_for(resolved[0], layout, self.seed)
+        self.gamma = consensus_step(self.compressor, self.gamma_arg)
+        self._shrink = 1 / (1 + variance_factor(self.compressor, self.flat.state_data.shape[0]))
 
     def _start(self) -> None:
+        if self.compressor is not None:  # x^, s and the difference sent
+            self._public, self._mixed, self._delta = (zeros_like(self.flat.state) for _ in range(3))
         arg = self.overlap_arg
         self.overlap = bool(arg) if arg is not None else spare_cores(self.comm, self._may_overlap)
         if not self.overlap:
@@ -165,6 +240,11 @@ class DPSGD(Algorithm):
         self.bytes_sent += self._background.result()[1]
 
     def _step(self) -> None:
+        if self.compressor is not None:
+            self.optimizer.step()
+            with self._communicating():
+                self._gossip()
+            return
         if self._background is None:
             with self._communicating():
                 neighbor_allreduce(self.flat.state, self._row, self.comm, validate=False)
@@ -176,6 +256,34 @@ class DPSGD(Algorithm):
                 neighbor_allreduce(self.flat.state_data[self.flat.size :], self._row, self.comm, validate=False)
         self.flat.param_data[...] = self._mixed.data
         self.optimizer.step()
+
+    def _gossip(self) -> None:
+        """CHOCO-SGD's exchange and consensus step (module docstring), in place."""
+        x, public, mixed, delta = self.flat.state, self._public, self._mixed, self._delta
+        assert self.compressor is not None and self.gamma is not None
+        delta[...] = x
+        delta -= public
+        if self._shrink != 1:
+            delta *= self._shrink
+        neighbor_exchange(self.compressor, delta, self._row, self.comm, public=public, mixed=mixed, validate=False)
+        delta[...] = mixed
+        delta -= public
+        delta *= self.gamma
+        x += delta
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters and, for CHOCO-SGD, ``public`` and ``mixed``: x^_i and s_i."""
+        if self.compressor is None:
+            return super().state_dict()
+        return {**super().state_dict(), "public": host_copy(self._public), "mixed": host_copy(self._mixed)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.compressor is not None:
+            if "public" not in state:
+                raise ValueError("the state has no public copies of CHOCO-SGD: it is of an uncompressed D-PSGD")
+            load_into(self._public, state["public"], "public")
+            load_into(self._mixed, state["mixed"], "mixed")
 
     def settle(self) -> None:
         """Wait for a mix in flight and drop it (module docstring); collective."""

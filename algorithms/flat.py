@@ -75,9 +75,10 @@ class FlatParams:
             is one parameter.
         trainable: for every parameter, whether it gets a gradient (torch:
             ``requires_grad`` at construction).
+        shapes: every parameter's shape, in order (a numpy model's array shape).
     """
 
-    def __init__(self, params: Any, grads: Any, state: Any = None) -> None:
+    def __init__(self, params: Any, grads: Any, state: Any = None, shape: Sequence[int] | None = None) -> None:
         self.params, self.grads = params, grads
         self.state = params if state is None else state
         flat_p, flat_g = as_flat(params), as_flat(grads)
@@ -85,6 +86,7 @@ class FlatParams:
         self.state_data = self.param_data if state is None else as_flat(state).data
         self.sizes: tuple[int, ...] = (self.size,)
         self.trainable: tuple[bool, ...] = (True,)
+        self.shapes: tuple[tuple[int, ...], ...] = (tuple(shape) if shape is not None else (self.size,),)
 
     @property
     def has_buffers(self) -> bool:
@@ -100,6 +102,12 @@ class FlatParams:
     def nbytes(self) -> int:
         """Bytes of the parameter buffer (the size of one model)."""
         return int(self.param_data.nbytes)
+
+    def layout(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(offset, shape) of every parameter in the flat buffers, in order: they tile
+        the parameters (and the gradients) from 0 (e.g. PowerSGD's ``shapes``)."""
+        offsets = np.cumsum((0, *self.sizes[:-1]))
+        return [(int(o), shape) for o, shape in zip(offsets, self.shapes)]
 
     def collect_grads(self) -> None:
         """Make sure the flat gradient buffer holds the current gradients (numpy: nothing to do)."""
@@ -176,6 +184,7 @@ class TorchFlatParams(FlatParams):
         super().__init__(params, grads, state if extra else None)
         self.sizes = tuple(p.numel() for p in tensors)
         self.trainable = tuple(bool(p.requires_grad) for p in tensors)
+        self.shapes = tuple(tuple(p.shape) for p in tensors)
 
     def new_buffer(self) -> FlatBuffer:
         import torch
@@ -273,7 +282,7 @@ def flatten(model: Any, optimizer: Any) -> FlatParams:
                 "a numpy model needs an algorithms.optim.SGD built on that same array "
                 f"(SGD(x, lr=...)); got {type(optimizer).__name__}"
             )
-        return FlatParams(model.reshape(-1), optimizer.grad.reshape(-1))
+        return FlatParams(model.reshape(-1), optimizer.grad.reshape(-1), shape=model.shape)
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(model, torch.nn.Module):
         raise ArgumentError(f"model must be a torch.nn.Module or a numpy array, got {type(model).__name__}")

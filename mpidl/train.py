@@ -106,6 +106,7 @@ class AlgorithmOption:
     help: str
     choices: Sequence[str] | None = None
     type: Callable[[str], Any] = str
+    metavar: str | None = None
 
     @property
     def dest(self) -> str:
@@ -165,6 +166,26 @@ ALGORITHM_OPTIONS = (
         "bucket_mb",
         "the largest gradient bucket, in MiB (default 4; DDP's 25)",
         type=_parser(float, lambda v: v > 0, "a positive number"),
+    ),
+    AlgorithmOption(
+        "--compression",
+        "compression",
+        f"compress what is sent: NAME[:PARAM] of {', '.join(collectives.COMPRESSORS)}, e.g. fp16, qsgd:127, "
+        "sign, topk:0.01, powersgd:4 (default none); allreduce: every gradient bucket; lsgd: among the "
+        "groups; dpsgd: CHOCO-SGD's gossip; ddp: its powersgd:R and fp16 hooks",
+        metavar="NAME[:PARAM]",
+    ),
+    AlgorithmOption(
+        "--error-feedback",
+        "error_feedback",
+        "carry what compression dropped into the next step (default: on for sign, topk and powersgd)",
+        type=_on_off,
+    ),
+    AlgorithmOption(
+        "--gamma",
+        "gamma",
+        "CHOCO-SGD's consensus step size (default: by compressor, docs/training.rst)",
+        type=_parser(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     ),
 )
 
@@ -245,6 +266,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             default=None,
             choices=opt.choices,
             type=opt.type,
+            metavar=opt.metavar,
             help=f"{opt.help}; for {', '.join(opt.applies_to())}",
         )
     g = p.add_argument_group("data and model")

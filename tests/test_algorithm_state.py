@@ -35,6 +35,10 @@ SYNC_CONFIGS = {
     "lsgd-singletons": ("lsgd", {"layout": 1, "algorithm": "ring"}),
     "grsgd-synchronous": ("grsgd", {"max_lead": 0}),
     "prague-static-pairs": ("prague", {"policy": "static", "group_size": 2, "period": 2}),
+    "allreduce-topk": ("allreduce", {"algorithm": "ring", "compression": "topk:0.25"}),
+    "allreduce-sign": ("allreduce", {"algorithm": "ring", "compression": "sign"}),
+    "lsgd-pairs-sign": ("lsgd", {"layout": 2, "algorithm": "ring", "compression": "sign"}),
+    "dpsgd-choco-topk": ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}),
 }
 
 #: Configurations whose updates depend on the workers' timing.

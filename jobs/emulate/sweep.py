@@ -126,6 +126,13 @@ ALGORITHMS = {
     "adpsgd": ("--algorithm", "adpsgd"),
     "prague": ("--algorithm", "prague"),
     "ddp": ("--algorithm", "ddp"),
+    "allreduce+fp16": ("--algorithm", "allreduce", "--compression", "fp16"),
+    "allreduce+qsgd:127": ("--algorithm", "allreduce", "--compression", "qsgd:127"),
+    "allreduce+sign": ("--algorithm", "allreduce", "--compression", "sign"),
+    "allreduce+topk:0.01": ("--algorithm", "allreduce", "--compression", "topk:0.01"),
+    "allreduce+powersgd:4": ("--algorithm", "allreduce", "--compression", "powersgd:4"),
+    "dpsgd+qsgd:127": ("--algorithm", "dpsgd", "--compression", "qsgd:127"),
+    "ddp+powersgd:4": ("--algorithm", "ddp", "--compression", "powersgd:4"),
 }
 
 RATES = ("unshaped", "10gbit", "1gbit", "100mbit")
