@@ -30,7 +30,9 @@ flight, e.g. before the models are evaluated.
     algo = algorithms.create("dpsgd", model, opt, topology="ring")
 
 Graphs and mixing matrices are in :mod:`algorithms.topology`; a numpy SGD
-optimizer with torch's semantics in :mod:`algorithms.optim`.
+optimizer with torch's semantics in :mod:`algorithms.optim`;
+:func:`broadcast_optimizer_state` gives every worker one worker's optimizer
+state (:mod:`algorithms.broadcast`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from mpi4py import MPI
 from .adpsgd import ADPSGD
 from .allreduce_sgd import AllReduceSGD
 from .base import Algorithm
+from .broadcast import broadcast_optimizer_state
 from .dpsgd import DPSGD
 from .flat import FlatParams, flatten
 from .grsgd import GRSGD
@@ -90,6 +93,7 @@ __all__ = [
     "Prague",
     "Topology",
     "TopologyError",
+    "broadcast_optimizer_state",
     "create",
     "flatten",
 ]

@@ -50,7 +50,9 @@ gradients back into private memory.
 Gradient accumulation over several backward passes: all but the last run
 inside :meth:`AllReduceSGD.no_sync`, which keeps them from reporting; a
 gradient accumulated twice outside it in one step is an error (its bucket may
-already be in flight).
+already be in flight). :meth:`~algorithms.base.Algorithm.synchronize` runs
+(or waits for) every bucket's all-reduce and leaves the average in the
+gradients, to be clipped or unscaled before the update.
 
 Compression (``compression="NAME[:PARAM]"``, :mod:`algorithms.compressed`):
 each bucket is aggregated by a compressor of its own
@@ -143,6 +145,7 @@ class AllReduceSGD(Algorithm):
     """
 
     name = "allreduce"
+    synchronous = True
 
     def __init__(
         self,
@@ -272,12 +275,13 @@ class AllReduceSGD(Algorithm):
         self.flat.move_grads(tensor if tensor.dtype == self.flat.grads.dtype else tensor.view(self.flat.grads.dtype))
 
     @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self, enabled: bool = True) -> Iterator[None]:
         """Backward passes inside accumulate their gradients locally, without
         communicating; the next backward pass outside (the last of the step) starts
         the buckets' all-reduces. Without overlap it changes nothing: ``step()``
-        communicates."""
-        self._sync = False
+        communicates. ``enabled=False`` makes it no context at all (``with
+        algo.no_sync(enabled=not last):`` around every pass of a step)."""
+        self._sync = not enabled
         try:
             yield
         finally:
@@ -346,6 +350,10 @@ class AllReduceSGD(Algorithm):
         )
 
     def _step(self) -> None:
+        self._synchronize()
+        self.optimizer.step()
+
+    def _synchronize(self) -> None:
         if any(p.requires_grad for p in self._frozen):
             raise RuntimeError(
                 "a parameter frozen when the algorithm was built now requires a gradient, which no "
@@ -361,7 +369,6 @@ class AllReduceSGD(Algorithm):
                 self._drain()
         if self._shared is not None:
             self.flat.point_grads(self._bucketed)
-        self.optimizer.step()
 
     def _drain(self) -> None:
         """Wait for every bucket in flight and count its bytes; re-raise the first failure."""

@@ -57,8 +57,20 @@ random generator, GR-SGD its exchange counts, Prague the static schedule's
 position and the group generator's state). A fresh instance of the same
 configuration continues from it after :meth:`~Algorithm.load_state_dict`.
 
+In a user's own loop (``docs/training.rst``, "Your own PyTorch script"):
+:meth:`Algorithm.no_sync` for backward passes that only accumulate
+gradients; :meth:`Algorithm.synchronize` (synchronous algorithms) to run the
+step's communication first, so that the gradients are those the update
+applies when clipping or unscaling them, after which ``step()`` or the
+optimizer's own ``step()`` (e.g. a ``GradScaler``'s) applies the update;
+:meth:`Algorithm.average_buffers` (or ``average_buffers=True`` for every
+step) for BatchNorm statistics; :func:`algorithms.broadcast.broadcast_optimizer_state`
+for an optimizer state restored on rank 0.
+
 Writing a new algorithm: subclass :class:`Algorithm`, set ``name``, and
-implement :meth:`~Algorithm._step`; override :meth:`~Algorithm._configure`
+implement :meth:`~Algorithm._step` (a synchronous one: also
+:meth:`~Algorithm._synchronize`, the part before the optimizer's update, and
+set ``synchronous``); override :meth:`~Algorithm._configure`
 (local checks, returns the options every rank must agree on),
 :meth:`~Algorithm._start` (collective set-up), :meth:`~Algorithm.settle` and
 :meth:`~Algorithm.close` (threads, communicators), and
@@ -81,6 +93,7 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError, as_flat, validation
+from collectives.topology.layout import RanksPerNode
 from collectives.transport import gpu
 from collectives.transport.buffers import DTYPE_CODES, dtype_code
 from collectives.transport.context import context
@@ -98,6 +111,8 @@ class Algorithm(ABC):
             optimizer, or :class:`algorithms.optim.SGD` for numpy).
         comm: the workers' communicator (default ``MPI.COMM_WORLD``).
         broadcast_init: start every worker from rank 0's parameters (and buffers).
+        average_buffers: average the model's float buffers over the workers
+            every step (:meth:`average_buffers`); synchronous algorithms only.
         validate: check the configuration across ranks at construction
             (None: the collectives' default, on unless ``MPIDL_VALIDATE=0``).
 
@@ -109,12 +124,20 @@ class Algorithm(ABC):
         bytes_sent: payload bytes this worker sent during steps.
         comm_wait_s: seconds steps spent communicating or waiting for communication.
         closed: whether :meth:`close` was called.
+        buffer_averaging: whether every step averages the float buffers.
     """
 
     #: The algorithm's name in :data:`algorithms.ALGORITHMS`.
     name: ClassVar[str]
     #: Whether workers may take different numbers of steps between settle() calls (module docstring).
     uneven_steps: bool = False
+    #: Whether every worker takes part in every step's communication, in step with the others
+    #: (AllReduce-SGD, D-PSGD, LSGD); then a collective may join each step (``average_buffers``).
+    synchronous: ClassVar[bool] = False
+    #: The all-reduce algorithm and layout of :meth:`average_buffers` (AllReduce-SGD and LSGD
+    #: set their own; "auto" calibrates the cost model on first use, once per communicator).
+    algorithm: str = collectives.DEFAULT_ALGORITHM
+    layout: RanksPerNode = None
 
     def __init__(
         self,
@@ -123,6 +146,7 @@ class Algorithm(ABC):
         comm: MPI.Comm | None = None,
         *,
         broadcast_init: bool = True,
+        average_buffers: bool = False,
         validate: bool | None = None,
     ) -> None:
         self.comm = MPI.COMM_WORLD if comm is None else comm
@@ -132,10 +156,18 @@ class Algorithm(ABC):
         self.bytes_sent = 0
         self.comm_wait_s = 0.0
         self.closed = False
+        self.buffer_averaging = bool(average_buffers)
+        self._synchronized = False  # synchronize() ran; step() applies the update alone
+        self._step_hook: Any = None
         problem = None
         try:
             self.flat: FlatParams = flatten(model, optimizer)
-            options = self._configure()
+            if self.buffer_averaging and not self.synchronous:
+                raise ArgumentError(
+                    f"average_buffers=True adds an all-reduce to every step, which needs workers that step "
+                    f"together; {self.name}'s do not: call average_buffers() after settle() instead"
+                )
+            options = (self._configure(), self.buffer_averaging)
         except (ValueError, TypeError) as exc:  # ArgumentError, TopologyError, bad option values
             problem = exc if isinstance(exc, ArgumentError) else ArgumentError(f"{type(exc).__name__}: {exc}")
         if validation.enabled(validate):
@@ -157,6 +189,8 @@ class Algorithm(ABC):
         self._start()
         if broadcast_init:
             collectives.broadcast(self.flat.state, self.comm, validate=False)
+        if hasattr(optimizer, "register_step_post_hook"):  # a torch optimizer stepped by the caller
+            self._step_hook = optimizer.register_step_post_hook(self._optimizer_stepped)
 
     @property
     def params(self) -> Any:
@@ -186,9 +220,16 @@ class Algorithm(ABC):
         ``loss.backward()``; numpy, after writing the gradient into the
         optimizer's ``grad`` array, or pass it here as ``grad`` (any array of
         the model's size; it is copied into the flat gradient buffer).
+        After :meth:`synchronize` it applies the update alone (local).
         """
         if self.closed:
             raise RuntimeError(f"{self!r} is closed")
+        if self._synchronized:
+            if grad is not None:
+                raise ValueError("step(grad) after synchronize(): the step's gradient was communicated already")
+            self._synchronized = False
+            self._update()
+            return
         if grad is not None:
             values = np.asarray(grad).reshape(-1)
             if values.shape != self.flat.grad_data.shape:
@@ -196,7 +237,58 @@ class Algorithm(ABC):
             np.copyto(self.flat.grad_data, values)
         self._collect_grads()
         self._step()
+        if self.buffer_averaging:
+            self.average_buffers()
         self.iterations += 1
+
+    def synchronize(self) -> None:
+        """Run the step's communication now (collective over :attr:`comm`; synchronous
+        algorithms): afterwards the gradients hold what the update will apply —
+        AllReduce-SGD the average of the workers' gradients, LSGD the average of the
+        previous step's (zero on the first step, whose update applies nothing), D-PSGD the
+        worker's own, its model already averaged with its neighbors'. Clip or unscale
+        them in place, then finish the step with :meth:`step`, which applies the update
+        alone, or with the optimizer's own ``step()`` (``GradScaler.step(optimizer)``,
+        which skips it when the gradients hold an inf or a NaN: the same on every
+        worker where they are averaged). Between the two, change nothing but the
+        gradients; the step is counted here. Once per step.
+
+        Raises:
+            NotImplementedError: the algorithm communicates during or after its
+                update (the asynchronous ones, compressed D-PSGD).
+        """
+        if self.closed:
+            raise RuntimeError(f"{self!r} is closed")
+        self._collect_grads()
+        self._synchronize()
+        if self.buffer_averaging:
+            self.average_buffers()
+        self.iterations += 1
+        self._synchronized = True
+
+    @contextmanager
+    def no_sync(self, enabled: bool = True) -> Iterator[None]:
+        """Backward passes inside only accumulate their gradients; the step communicates
+        after the last one, outside (``enabled=False``: no effect, so that ``with
+        algo.no_sync(enabled=not last):`` can wrap every pass of a step). Algorithms
+        that communicate gradients during backward (AllReduce-SGD with overlap) hold it
+        back; the others communicate in :meth:`step` alone and need nothing from it."""
+        yield
+
+    def average_buffers(self) -> None:
+        """Average the model's float buffers (BatchNorm's running statistics: the state
+        after the parameters, :mod:`algorithms.flat`) over the workers, in place, with
+        the bits the same on every worker; collective over :attr:`comm`, an all-reduce
+        with :attr:`algorithm`. Algorithms that average gradients keep the buffers local,
+        so each worker's follow its own data: call it before evaluating, or ask for it
+        every step with ``average_buffers=True``. Asynchronous algorithms: after
+        :meth:`settle`. Without buffers it does nothing."""
+        if self.closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if self.flat.has_buffers:
+            with self._communicating():
+                buffers = self.flat.state[self.flat.size :]
+                collectives.allreduce(buffers, self.comm, "avg", self.algorithm, validate=False, layout=self.layout)
 
     def settle(self) -> None:
         """Finish the communication that changes parameters in flight (collective):
@@ -208,6 +300,9 @@ class Algorithm(ABC):
     def close(self) -> None:
         """Release threads and communicators the algorithm holds (collective); no step
         may follow. Idempotent. Subclasses release theirs, then call this."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         self.closed = True
 
     def state_dict(self) -> dict[str, Any]:
@@ -259,6 +354,23 @@ class Algorithm(ABC):
     @abstractmethod
     def _step(self) -> None:
         """Communicate and apply ``self.optimizer.step()``; gradients are in ``self.flat``."""
+
+    def _synchronize(self) -> None:
+        """:meth:`_step` up to the optimizer's update: communicate, and leave in the
+        gradients what :meth:`_update` applies (synchronous algorithms override it)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} communicates during and after its optimizer step, never all before it, "
+            "so no moment has final gradients and no update yet; its gradients are the worker's own: "
+            "clip or unscale them before step()"
+        )
+
+    def _update(self) -> None:
+        """The update that follows :meth:`_synchronize` (LSGD's may apply nothing)."""
+        self.optimizer.step()
+
+    def _optimizer_stepped(self, *_: Any) -> None:
+        """The torch optimizer's step post-hook: a step after synchronize() is finished."""
+        self._synchronized = False
 
     @contextmanager
     def _communicating(self) -> Iterator[None]:

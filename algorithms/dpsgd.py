@@ -127,6 +127,7 @@ class DPSGD(Algorithm):
     """
 
     name = "dpsgd"
+    synchronous = True
 
     def __init__(
         self,
@@ -245,17 +246,24 @@ class DPSGD(Algorithm):
             with self._communicating():
                 self._gossip()
             return
+        self._synchronize()
+        self.optimizer.step()
+
+    def _synchronize(self) -> None:
+        if self.compressor is not None:
+            raise NotImplementedError(
+                "compressed D-PSGD (CHOCO-SGD) communicates after its optimizer step, not before it; its "
+                "gradients are the worker's own: clip or unscale them before step()"
+            )
         if self._background is None:
             with self._communicating():
                 neighbor_allreduce(self.flat.state, self._row, self.comm, validate=False)
-            self.optimizer.step()
             return
         with self._communicating():
             self._collect()
             if self.flat.has_buffers:
                 neighbor_allreduce(self.flat.state_data[self.flat.size :], self._row, self.comm, validate=False)
         self.flat.param_data[...] = self._mixed.data
-        self.optimizer.step()
 
     def _gossip(self) -> None:
         """CHOCO-SGD's exchange and consensus step (module docstring), in place."""

@@ -1,7 +1,8 @@
 """mpidl: MPI toolkit for data-parallel deep learning.
 
 The face of the toolkit: :func:`init`, the public API of :mod:`collectives`
-re-exported, and the ``mpidl`` command (``python -m mpidl``).
+re-exported, :class:`~mpidl.data.ShardSampler` (a worker's shard of a dataset
+for a torch ``DataLoader``), and the ``mpidl`` command (``python -m mpidl``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collectives import (
     allreduce,
 )
 
+from .data import ShardSampler
 from .runtime import init
 
-__all__ = ["ALGORITHMS", "OPS", "ArgumentError", "CollectiveError", "__version__", "allreduce", "init"]
+__all__ = ["ALGORITHMS", "OPS", "ArgumentError", "CollectiveError", "ShardSampler", "__version__", "allreduce", "init"]

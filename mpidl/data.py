@@ -1,4 +1,5 @@
-"""Datasets for ``mpidl train``: loading, the train/test split, shards and batches.
+"""Datasets for ``mpidl train``: loading, the train/test split, shards and batches;
+shards of a user's own dataset for a torch ``DataLoader``.
 
 Datasets (:data:`DATASETS`); features are flattened images scaled to [0, 1]
 as float32, labels int64:
@@ -32,6 +33,17 @@ differing by at most one), so every sample is used once per epoch.
 Asynchronous training lets fast workers take more steps than that
 (:mod:`mpidl.pacing`): a worker that has used its shard goes on with another
 sweep over it, shuffled anew (:func:`batch_stream`).
+
+A user's own dataset (:class:`ShardSampler`): the same shards and the same
+order in an epoch, as indices for ``torch.utils.data.DataLoader(dataset,
+batch_size, sampler=...)``, whose batches then have the usual fixed size.
+Shards differ in size by one at most; so that every worker takes the same
+number of steps, each yields the same number of indices, like PyTorch's
+``DistributedSampler``: ceil(N / n), a worker with a smaller shard repeating
+the first index of its epoch's order (``drop_last=False``, so that every
+sample is used every epoch), or floor(N / n), a worker with a larger shard
+leaving out the last index of its epoch's order (``drop_last=True``, so
+that no sample is used twice; a different one each epoch).
 """
 
 from __future__ import annotations
@@ -39,8 +51,9 @@ from __future__ import annotations
 import gzip
 import itertools
 import math
+import operator
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -216,11 +229,12 @@ def load(name: str, data_dir: str | None = None, comm: MPI.Comm | None = None) -
     return raw.normalized()
 
 
-def shard(n: int, rank: int, size: int, seed: int) -> np.ndarray:
-    """The training-sample indices of worker ``rank`` of ``size`` (module docstring)."""
+def shard(n: int, rank: int, size: int, seed: int, shuffle: bool = True) -> np.ndarray:
+    """The training-sample indices of worker ``rank`` of ``size`` (module docstring;
+    ``shuffle=False``: consecutive blocks of the samples in order)."""
     if n < size:
         raise DatasetError(f"{n} training samples cannot be shared among {size} workers")
-    perm = np.random.default_rng([seed, _SHARD_STREAM]).permutation(n)
+    perm = np.random.default_rng([seed, _SHARD_STREAM]).permutation(n) if shuffle else np.arange(n)
     return np.array_split(perm, size)[rank]
 
 
@@ -242,16 +256,20 @@ def steps_per_epoch(n: int, size: int, batch_size: int) -> int:
     return steps
 
 
+def epoch_order(indices: np.ndarray, seed: int, epoch: int, rank: int, sweep: int = 0) -> np.ndarray:
+    """Worker ``rank``'s shard ``indices`` in ``epoch``'s order: shuffled by (seed, epoch,
+    rank), and for ``sweep`` > 0, a further pass in the same epoch, by (seed, epoch,
+    rank, sweep)."""
+    key = [seed, _EPOCH_STREAM, epoch, rank] + ([sweep] if sweep else [])
+    return indices[np.random.default_rng(key).permutation(len(indices))]
+
+
 def epoch_batches(
     indices: np.ndarray, steps: int, seed: int, epoch: int, rank: int, sweep: int = 0
 ) -> list[np.ndarray]:
-    """Worker ``rank``'s batches in ``epoch``: its shard ``indices`` shuffled by (seed, epoch,
-    rank) and cut into ``steps`` consecutive batches of nearly equal size. ``sweep`` > 0
-    gives a further pass over the shard in the same epoch, shuffled by (seed, epoch,
-    rank, sweep)."""
-    key = [seed, _EPOCH_STREAM, epoch, rank] + ([sweep] if sweep else [])
-    order = indices[np.random.default_rng(key).permutation(len(indices))]
-    return np.array_split(order, steps)
+    """Worker ``rank``'s batches in ``epoch``: its shard ``indices`` in the epoch's order
+    (:func:`epoch_order`) cut into ``steps`` consecutive batches of nearly equal size."""
+    return np.array_split(epoch_order(indices, seed, epoch, rank, sweep), steps)
 
 
 def batch_stream(indices: np.ndarray, steps: int, seed: int, epoch: int, rank: int) -> Iterator[np.ndarray]:
@@ -260,3 +278,71 @@ def batch_stream(indices: np.ndarray, steps: int, seed: int, epoch: int, rank: i
     shard, each shuffled anew, for as long as it asks."""
     for sweep in itertools.count():
         yield from epoch_batches(indices, steps, seed, epoch, rank, sweep)
+
+
+class ShardSampler:
+    """This worker's shard of a dataset of N samples, one epoch at a time, as indices
+    for ``DataLoader(dataset, batch_size, sampler=...)`` (module docstring).
+
+    Construction is collective over ``comm`` (default ``MPI.COMM_WORLD``): every
+    worker must give the same N, ``seed``, ``shuffle`` and ``drop_last``. The
+    shards are those of :func:`shard` (``shuffle=False``: consecutive blocks);
+    each pass over the sampler (a ``DataLoader`` makes one per epoch) goes
+    through the shard in :func:`epoch_order`'s order for the next epoch (the
+    first pass: epoch 0), or for the epoch that :meth:`set_epoch` named
+    (``shuffle=False``: in order). Iterating needs no communication and no torch.
+
+    Args:
+        dataset: the dataset (anything with a length) or its length N.
+        comm: the workers' communicator.
+        seed: seeds the shards and every epoch's order.
+        shuffle: permute the samples before cutting the shards, and each
+            epoch's order.
+        drop_last: yield floor(N / n) indices rather than ceil(N / n) (module
+            docstring).
+
+    Attributes:
+        indices: this worker's shard (sorted when not shuffled).
+        epoch: the epoch of the next pass.
+
+    Raises:
+        DatasetError: on every rank, when the workers disagree or N < n.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized | int,
+        comm: MPI.Comm | None = None,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> None:
+        comm = MPI.COMM_WORLD if comm is None else comm
+        n = len(dataset) if isinstance(dataset, Sized) else operator.index(dataset)
+        self.rank, size = comm.Get_rank(), comm.Get_size()
+        self.seed, self.shuffle, self.drop_last = seed, bool(shuffle), bool(drop_last)
+        calls = comm.allgather((n, seed, self.shuffle, self.drop_last))
+        if len(set(calls)) != 1:
+            raise DatasetError(
+                "ShardSampler: the workers give different (samples, seed, shuffle, drop_last): "
+                + ", ".join(f"rank {r} {c}" for r, c in enumerate(calls))
+            )
+        self.indices = shard(n, self.rank, size, seed, self.shuffle)
+        self.num_samples = n // size if self.drop_last else -(-n // size)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass yield ``epoch``'s order (as ``DistributedSampler.set_epoch``;
+        without it, every pass is the epoch after the last)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        order = epoch_order(self.indices, self.seed, epoch, self.rank) if self.shuffle else self.indices
+        if len(order) < self.num_samples:
+            order = np.concatenate((order, order[: self.num_samples - len(order)]))
+        return iter(order[: self.num_samples].tolist())
