@@ -67,8 +67,9 @@ Since 1^T W = 1^T, sum_i s_i = sum_i x^_i: the consensus step never moves
 the mean of the models (to rounding), and with C the identity and gamma = 1
 step 3 is D-PSGD's averaging of the copies. No error feedback: x_i - x^_i
 carries what earlier payloads left out. The consensus step size gamma
-(:data:`algorithms.compressed.GAMMA`) is 1 for the casts and smaller for the
-coarser compressors (measured, ``docs/training.rst``). x^_i and s_i start at
+(:func:`algorithms.compressed.consensus_step`) is 1 for the casts, qsgd
+and sign, smaller for top-k, random-k and PowerSGD (measured,
+``docs/training.rst``). x^_i and s_i start at
 the common initial model when ``broadcast_init`` makes every worker start
 there (every worker knows its neighbors' public copies), else at 0, as in
 the paper. They are algorithm state (:meth:`DPSGD.state_dict`: ``public``,
@@ -116,7 +117,7 @@ class DPSGD(Algorithm):
             of :data:`collectives.COMPRESSORS`: CHOCO-SGD's compressed gossip of the
             state (module docstring).
         gamma: CHOCO-SGD's consensus step size in (0, 1] (None: the
-            compressor's, :data:`algorithms.compressed.GAMMA`).
+            compressor's, :func:`algorithms.compressed.consensus_step`).
         seed: seeds the compressor's random numbers.
 
     Attributes:
