@@ -25,6 +25,9 @@ rate and algorithm:
 * ``to target s``: training time until the averaged model first reached the
   model's target accuracy (evaluated after every epoch), and ``vs allreduce``
   the time AllReduce-SGD with ``auto`` took divided by it (above 1: sooner);
+* ``to AR final``: how many times sooner than AllReduce-SGD (``auto``) the
+  run's averaged model first reached AllReduce-SGD's final accuracy (below
+  1: later; ``-``: never);
 * ``final acc``: the averaged model's final test accuracy;
 * ``B/step``: payload bytes each worker sent per step (mpidl's transport, exact;
   DDP: gloo's ring payload, an estimate); ``across/step``: the part sent to
@@ -259,6 +262,7 @@ COLUMNS = (
     ("epoch s", ".2f"),
     ("to target s", ".1f"),
     ("vs allreduce", ".2f"),
+    ("to AR final", ".2f"),
     ("final acc %", ".2f"),
     ("KiB/step", ".0f"),
     ("across KiB/step", ".0f"),
@@ -267,12 +271,32 @@ COLUMNS = (
 )
 
 
-def table_rows(results: dict[tuple[str, str, str], dict[str, Any]]) -> list[list[str]]:
+def to_baseline_final(
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]], key: tuple[str, str, str]
+) -> float | None:
+    """How many times sooner than the baseline the runs of ``key`` first reached the
+    baseline's final accuracy (medians over the repeats; None where a run never did)."""
+    model, rate, _ = key
+    base = runs.get((model, rate, BASELINE))
+    if not base:
+        return None
+    final = statistics.median(r["epochs"][-1]["test_acc"] for r in base)
+    base_s = [time_to(r["epochs"], final) for r in base]
+    own_s = [time_to(r["epochs"], final) for r in runs[key]]
+    if None in own_s or None in base_s:
+        return None
+    return statistics.median(base_s) / statistics.median(own_s)  # type: ignore[type-var]
+
+
+def table_rows(
+    results: dict[tuple[str, str, str], dict[str, Any]], runs: dict[tuple[str, str, str], list[dict[str, Any]]]
+) -> list[list[str]]:
     """Formatted rows, in the order model, rate, algorithm."""
     rows = []
     for (model, rate, algo), r in results.items():
         base = results.get((model, rate, BASELINE), {}).get("to_target_s")
         speedup = base / r["to_target_s"] if base and r["to_target_s"] else None
+        sooner = to_baseline_final(runs, (model, rate, algo))
         rows.append(
             [
                 model,
@@ -281,6 +305,7 @@ def table_rows(results: dict[tuple[str, str, str], dict[str, Any]]) -> list[list
                 _fmt(r["epoch_s"], ".2f"),
                 _fmt(r["to_target_s"], ".1f"),
                 _fmt(speedup, ".2f"),
+                _fmt(sooner, ".2f"),
                 _fmt(r["final_acc"], ".2f", 100),
                 _fmt(r["bytes_per_step"], ".0f", 1 / 1024),
                 _fmt(r["across_per_step"], ".0f", 1 / 1024),
@@ -302,7 +327,7 @@ def rst_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([rule, line(header), rule, *(line(r) for r in rows), rule]) + "\n"
 
 
-def plot(out: Path, runs: dict[tuple[str, str, str], dict[str, Any]], rates: Sequence[str]) -> list[Path]:
+def plot(out: Path, runs: dict[tuple[str, str, str], list[dict[str, Any]]], rates: Sequence[str]) -> list[Path]:
     """One figure per model: accuracy against training time, a panel per rate."""
     import matplotlib
 
@@ -315,9 +340,9 @@ def plot(out: Path, runs: dict[tuple[str, str, str], dict[str, Any]], rates: Seq
         fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 4), sharey=True, squeeze=False)
         for ax, rate in zip(axes[0], shown):
             for algo in ALGORITHMS:
-                run = runs.get((model, rate, algo))
-                if run is None:
+                if (model, rate, algo) not in runs:
                     continue
+                run = runs[(model, rate, algo)][0]
                 t = [e["time_s"] for e in run["epochs"]]
                 acc = [100 * e["test_acc"] for e in run["epochs"]]
                 style = "-" if algo.startswith(("allreduce", "ddp")) else "--"
@@ -370,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown algorithm(s) or rate(s): {', '.join(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    runs: dict[tuple[str, str, str], dict[str, Any]] = {}
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     results: dict[tuple[str, str, str], dict[str, Any]] = {}
     try:
         for rate in rates:
@@ -387,13 +412,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 paths = [q for q in paths if q.exists()]
                 if paths:
                     loaded = [json.loads(q.read_text()) for q in paths]
-                    runs[(model.name, rate, algo)] = loaded[0]
+                    runs[(model.name, rate, algo)] = loaded
                     results[(model.name, rate, algo)] = median_of([summarize(r, model.target) for r in loaded])
     finally:
         if not args.report_only:
             cluster("shape")  # leave the links unshaped
     header = [c for c, _ in COLUMNS]
-    rows = table_rows(results)
+    rows = table_rows(results, runs)
     text = rst_table(header, rows)
     (args.out / "table.rst").write_text(text)
     with open(args.out / "table.csv", "w", newline="") as f:
