@@ -337,7 +337,8 @@ def plot(out: Path, runs: dict[tuple[str, str, str], list[dict[str, Any]]], rate
     paths = []
     for model in dict.fromkeys(m for m, _, _ in runs):
         shown = [r for r in rates if any((model, r, a) in runs for a in ALGORITHMS)]
-        fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 4), sharey=True, squeeze=False)
+        fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown) + 2.2, 4), sharey=True, squeeze=False)
+        colors = dict(zip(ALGORITHMS, plt.get_cmap("tab20").colors))
         for ax, rate in zip(axes[0], shown):
             for algo in ALGORITHMS:
                 if (model, rate, algo) not in runs:
@@ -346,14 +347,15 @@ def plot(out: Path, runs: dict[tuple[str, str, str], list[dict[str, Any]]], rate
                 t = [e["time_s"] for e in run["epochs"]]
                 acc = [100 * e["test_acc"] for e in run["epochs"]]
                 style = "-" if algo.startswith(("allreduce", "ddp")) else "--"
-                ax.plot(t, acc, style, marker=".", label=algo)
+                ax.plot(t, acc, style, marker=".", color=colors.get(algo), label=algo)
             ax.axhline(100 * MODELS[model].target, color="grey", linewidth=0.6)
             ax.set_title(f"{model}, {rate}")
             ax.set_xlabel("training time (s)")
             ax.set_xscale("log")
         axes[0][0].set_ylabel("test accuracy (%), averaged model")
-        axes[0][-1].legend(fontsize=7)
-        fig.tight_layout()
+        legend = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+        fig.legend(list(legend.values()), list(legend), loc="center right", fontsize=7)
+        fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 1))
         path = out / "plots" / f"{model}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
