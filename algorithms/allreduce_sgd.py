@@ -69,7 +69,12 @@ flat gradient: never shared memory, where copying bytes costs less than
 encoding them (measured in ``docs/performance.rst``). The memory is
 algorithm state (:meth:`AllReduceSGD.state_dict`: ``residual``, and
 ``server`` for the compressors that encode the average again). Bytes per
-step: each compressor's (its module docstring), per bucket.
+step: each compressor's (its module docstring), per bucket. Where error
+feedback is on and the optimizer has momentum, each worker applies the
+momentum to its own gradient before compressing it, and the optimizer
+steps without it (``local_momentum=``, :mod:`algorithms.local_momentum`):
+error feedback's residual with momentum after the aggregation made sign
+diverge.
 
 Cost per step: one all-reduce of the model's size m bytes, in b buckets; with
 the ring, 2(n-1) b alpha + 2 m (n-1)/n beta + m (n-1)/n gamma, and each
@@ -104,6 +109,7 @@ from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
 from .compressed import CompressedSlices, resolve
 from .flat import TorchFlatParams
+from .local_momentum import LocalMomentum, has_momentum, parameter_groups
 
 
 class AllReduceSGD(Algorithm):
@@ -130,6 +136,12 @@ class AllReduceSGD(Algorithm):
             :data:`collectives.COMPRESSORS` for every bucket (module docstring).
         error_feedback: keep each worker's compression residual for its next
             gradient (None: the compressor's default, on for the biased ones).
+        local_momentum: each worker applies the SGD optimizer's momentum and
+            weight decay to its own gradient before compressing it, and the
+            optimizer steps without them
+            (:mod:`algorithms.local_momentum`). None: on where error feedback is
+            on and the optimizer has momentum. Needs a compression and an SGD
+            optimizer; finish a step with :meth:`step`.
         seed: seeds the compressors' random numbers (qsgd, random-k, PowerSGD).
 
     Attributes:
@@ -142,6 +154,8 @@ class AllReduceSGD(Algorithm):
             ``shm`` buckets are all-reduced in place (module docstring).
         compression: the buckets' compressors and error-feedback memory
             (:class:`~algorithms.compressed.CompressedSlices`), or None.
+        local_momentum: the workers' momentum
+            (:class:`~algorithms.local_momentum.LocalMomentum`), or None.
     """
 
     name = "allreduce"
@@ -159,6 +173,7 @@ class AllReduceSGD(Algorithm):
         bucket_mb: float = DEFAULT_BUCKET_MB,
         compression: str | None = None,
         error_feedback: bool | None = None,
+        local_momentum: bool | None = None,
         seed: int = 0,
         **common: Any,
     ) -> None:
@@ -167,6 +182,8 @@ class AllReduceSGD(Algorithm):
         self.overlap_arg, self.bucket_mb = overlap, bucket_mb
         self.compression_arg, self.error_feedback_arg, self.seed = compression, error_feedback, seed
         self.compression: CompressedSlices | None = None
+        self.local_momentum_arg = local_momentum
+        self.local_momentum: LocalMomentum | None = None
         self._background: Background | None = None
         self._shared: SharedVectors | None = None
         self._hooks: list[Any] = []
@@ -199,6 +216,7 @@ class AllReduceSGD(Algorithm):
         self.buckets = plan(self.flat.sizes, self.flat.trainable, cap)
         bounds = np.array([(b.start, b.stop) for b in self.buckets], np.int64)
         self._compression = resolve(self.compression_arg, self.error_feedback_arg, self.flat.layout())
+        self._local = self._resolve_local_momentum()
         return (
             self.algorithm,
             self.layout,
@@ -207,7 +225,25 @@ class AllReduceSGD(Algorithm):
             crc32(bounds.tobytes()),
             self._compression,
             self.seed if self._compression else None,
+            self._local,
         )
+
+    def _resolve_local_momentum(self) -> bool:
+        """Whether the workers apply momentum before compressing (the ``local_momentum``
+        argument, checked; None: where error feedback is on and the optimizer has momentum)."""
+        arg = self.local_momentum_arg
+        if arg is not None and not isinstance(arg, bool):
+            raise ArgumentError(f"local_momentum must be None, True or False, got {arg!r}")
+        if arg and self._compression is None:
+            raise ArgumentError(
+                "local_momentum needs a compression: uncompressed, the optimizer's momentum on the "
+                "average is the same update"
+            )
+        feedback = self._compression is not None and self._compression[1]
+        on = arg if arg is not None else feedback and has_momentum(self.optimizer)
+        if on:
+            parameter_groups(self.optimizer, self.flat)  # an SGD, or ArgumentError now
+        return on
 
     def _start(self) -> None:
         arg = self.overlap_arg
@@ -234,6 +270,8 @@ class AllReduceSGD(Algorithm):
             spec, feedback = self._compression
             bounds = [(b.start, b.stop) for b in self.buckets]
             self.compression = CompressedSlices(spec, feedback, self.flat.grads, bounds, self.flat.layout(), self.seed)
+            if self._local:
+                self.local_momentum = LocalMomentum(self.optimizer, self.flat)
         elif "shm" in self.bucket_algorithms and self._resident():
             self._red = reduction("avg", self.flat.dtype)
             self._shared = SharedVectors(context(self._comm).comm, self.flat.size, self.flat.grad_data.dtype)
@@ -338,6 +376,8 @@ class AllReduceSGD(Algorithm):
             return
         if self.compression is not None:
             k = bucket.index
+            if self.local_momentum is not None:
+                self.local_momentum.apply(bucket.params)
             self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_algorithms[k])
             return
         collectives.allreduce(
@@ -351,7 +391,14 @@ class AllReduceSGD(Algorithm):
 
     def _step(self) -> None:
         self._synchronize()
-        self.optimizer.step()
+        self._update()
+
+    def _update(self) -> None:
+        if self.local_momentum is None:
+            self.optimizer.step()
+            return
+        with self.local_momentum.plain():
+            self.optimizer.step()
 
     def _synchronize(self) -> None:
         if any(p.requires_grad for p in self._frozen):
@@ -384,14 +431,19 @@ class AllReduceSGD(Algorithm):
 
     def state_dict(self) -> dict[str, Any]:
         """The counters and, with error feedback, this worker's memories of what
-        compression dropped (:meth:`algorithms.compressed.CompressedSlices.state_dict`)."""
+        compression dropped (:meth:`algorithms.compressed.CompressedSlices.state_dict`);
+        with local momentum, its velocity (:meth:`algorithms.local_momentum.LocalMomentum.state_dict`)."""
         extra = self.compression.state_dict() if self.compression is not None else {}
+        if self.local_momentum is not None:
+            extra.update(self.local_momentum.state_dict())
         return {**super().state_dict(), **extra}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.compression is not None:
             self.compression.load_state_dict(state)
+        if self.local_momentum is not None:
+            self.local_momentum.load_state_dict(state)
 
     def close(self) -> None:
         """Remove the hooks, finish what is in flight, stop the thread, move the gradients
@@ -399,6 +451,8 @@ class AllReduceSGD(Algorithm):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self.local_momentum is not None:
+            self.local_momentum.close()
         if self._background is not None:
             try:
                 # A backward pass without a step left buckets in flight on some rank: every rank

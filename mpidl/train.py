@@ -182,6 +182,12 @@ ALGORITHM_OPTIONS = (
         type=_on_off,
     ),
     AlgorithmOption(
+        "--local-momentum",
+        "local_momentum",
+        "apply the optimizer's momentum on each worker before compressing (default: on where error feedback is on)",
+        type=_on_off,
+    ),
+    AlgorithmOption(
         "--gamma",
         "gamma",
         "CHOCO-SGD's consensus step size (default: by compressor, docs/training.rst)",

@@ -109,6 +109,105 @@ def test_error_feedback_defaults_switch_and_state() -> None:
     assert all_ok(comm, ok)
 
 
+def test_local_momentum_defaults_and_state() -> None:
+    """On where error feedback is on and the optimizer has momentum; its velocity is
+    algorithm state, and a restored run takes the same steps bit for bit."""
+    comm = WORLD
+    ok = True
+    for spec, momentum, switch, on in [
+        ("sign", 0.9, None, True),
+        ("topk:0.1", 0.9, None, True),
+        ("powersgd:2", 0.9, None, True),
+        ("qsgd:127", 0.9, None, False),
+        ("sign", 0.0, None, False),
+        ("sign", 0.9, False, False),
+        ("qsgd:127", 0.0, True, True),
+    ]:
+        x = np.zeros((5, 8))
+        with algorithms.AllReduceSGD(
+            x, SGD(x, lr=0.1, momentum=momentum), comm, compression=spec, local_momentum=switch
+        ) as algo:
+            algo.step(gradient(x, comm.Get_rank(), 0))
+            ok &= (algo.local_momentum is not None) == on and ("velocity" in algo.state_dict()) == on
+
+    def run(steps: int, state: dict | None = None) -> tuple[np.ndarray, dict]:
+        x = np.zeros((5, 8)) if state is None else state["x"].copy()
+        opt = SGD(x, lr=0.1, momentum=0.9, weight_decay=0.01)
+        with algorithms.AllReduceSGD(x, opt, comm, compression="sign", algorithm="ring") as algo:
+            if state is not None:
+                algo.load_state_dict(state)
+            for t in range(steps):
+                algo.step(gradient(x, comm.Get_rank(), t + (0 if state is None else 3)))
+            return x, {**algo.state_dict(), "x": x.copy()}
+
+    straight, _ = run(5)
+    _, saved = run(3)
+    resumed, _ = run(2, saved)
+    ok &= np.array_equal(straight, resumed) and spread(comm, straight) == 0
+    assert all_ok(comm, ok)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_local_momentum_is_the_optimizers_momentum_when_nothing_is_dropped(size: int) -> None:
+    """topk:1 drops nothing: applying momentum (Nesterov or dampened, weight decay per
+    parameter group) on every worker before the average gives the optimizer's update
+    of the average gradient, to rounding, on numpy and torch models."""
+    comm = comm_of_size(size)
+    rank, ok = comm.Get_rank(), True
+    for options in [{"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}, {"momentum": 0.5, "dampening": 0.3}]:
+        runs = []
+        for local in (True, None):
+            x = np.zeros((5, 8))
+            compress = {"compression": "topk:1", "local_momentum": True} if local else {}
+            with algorithms.AllReduceSGD(x, SGD(x, lr=0.1, **options), comm, algorithm="ring", **compress) as algo:
+                for t in range(6):
+                    algo.step(gradient(x, rank, t))
+            runs.append(x)
+        ok &= bool(np.allclose(*runs, rtol=0, atol=1e-12)) and not np.array_equal(runs[0], 0)
+    models = []
+    for local in (True, None):
+        model = mlp().double()
+        weights = [p for p in model.parameters() if p.dim() > 1]
+        biases = [p for p in model.parameters() if p.dim() == 1]
+        groups = [{"params": weights, "weight_decay": 0.05}, {"params": biases}]
+        opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True)
+        compress = {"compression": "topk:1", "local_momentum": True} if local else {}
+        with algorithms.AllReduceSGD(model, opt, comm, overlap=False, bucket_mb=SMALL_BUCKETS, **compress) as algo:
+            for x, y in batches(comm, 4):
+                algo.zero_grad()
+                loss(model, x.double(), y).backward()
+                algo.step()
+            ok &= opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[0]["weight_decay"] == 0.05
+        models.append(algo.params.detach().clone())
+    ok &= torch.allclose(*models, rtol=0, atol=1e-12)
+    assert all_ok(comm, ok), size
+
+
+def test_local_momentum_refuses_what_would_apply_momentum_twice() -> None:
+    """The optimizer's own step after synchronize() raises before it updates (the
+    algorithm's step() finishes it); an optimizer without SGD's momentum raises at set-up."""
+    comm = WORLD
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with algorithms.AllReduceSGD(model, opt, comm, compression="sign", overlap=False) as algo:
+        x, y = batches(comm, 1)[0]
+        loss(model, x, y).backward()
+        algo.synchronize()
+        before = algo.params.clone()
+        with pytest.raises(RuntimeError, match="local momentum is on"):
+            opt.step()
+        ok = torch.equal(before, algo.params)
+        algo.step()
+        ok &= not torch.equal(before, algo.params)
+    opt.step()  # closed: the optimizer is the caller's again
+    adam = torch.optim.Adam(model.parameters())
+    with pytest.raises(ArgumentError, match="local momentum takes over SGD"):
+        algorithms.AllReduceSGD(model, adam, comm, compression="sign", local_momentum=True)
+    with algorithms.AllReduceSGD(model, adam, comm, compression="sign") as algo:
+        ok &= algo.local_momentum is None
+    assert all_ok(comm, ok)
+
+
 @pytest.mark.parametrize(
     "options, match",
     [
@@ -117,6 +216,8 @@ def test_error_feedback_defaults_switch_and_state() -> None:
         ({"compression": 0.01}, "compression must be a spec NAME"),
         ({"error_feedback": True}, "error_feedback needs a compression"),
         ({"compression": "sign", "error_feedback": "yes"}, "error_feedback must be None, True or False"),
+        ({"local_momentum": True}, "local_momentum needs a compression"),
+        ({"compression": "sign", "local_momentum": 1}, "local_momentum must be None, True or False"),
     ],
 )
 def test_bad_compression_raises_on_every_rank(options: dict, match: str) -> None:
