@@ -102,7 +102,7 @@ BYTES = [
     ("qsgd:127", {"aggregation": "allgather"}, 0.51),
     ("sign", {}, 0.04),
     ("sign", {"aggregation": "allgather"}, 0.07),
-    ("topk:0.01", {}, 0.04),
+    ("topk:0.01", {}, 0.021),
     ("randk:0.01", {}, 0.01),
     ("powersgd:4", {"shapes": "mlp"}, 0.01),
 ]

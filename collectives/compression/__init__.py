@@ -21,7 +21,7 @@ spec           sent per elem. unbiased EF    aggregation                vs ring 
 ``bf16``       2 B            (round)  no    reduce-scatter, f32 sums   1/2         0.50
 ``qsgd:127``   1 B + 4/512    yes      no    reduce-scatter, re-encode  0.252       0.252
 ``sign``       1/8 B + 4/512  no       yes   reduce-scatter, re-encode  0.033       0.033
-``topk:0.01``  8 x 0.01 B     no       yes   all-gather                 n 0.01      0.04
+``topk:0.01``  4 x 0.01 B     no       yes   all-gather                 n 0.005     0.020
 ``randk:0.01`` 4 x 0.01 B     yes      no    all-reduce of k values     0.01        0.01
 ``powersgd:4`` 4 (r+c) B/mat. no       yes   2 all-reduces (P, Q)       4(r+c)/rc   1/256 (2048^2)
 ============== ============== ======== ===== ========================== =========== ===============
