@@ -69,12 +69,12 @@ flat gradient: never shared memory, where copying bytes costs less than
 encoding them (measured in ``docs/performance.rst``). The memory is
 algorithm state (:meth:`AllReduceSGD.state_dict`: ``residual``, and
 ``server`` for the compressors that encode the average again). Bytes per
-step: each compressor's (its module docstring), per bucket. Where error
-feedback is on and the optimizer has momentum, each worker applies the
-momentum to its own gradient before compressing it, and the optimizer
-steps without it (``local_momentum=``, :mod:`algorithms.local_momentum`):
-error feedback's residual with momentum after the aggregation made sign
-diverge.
+step: each compressor's (its module docstring), per bucket. With sign and
+top-k (error feedback on) and an optimizer with momentum, each worker
+applies the momentum to its own gradient before compressing it, and the
+optimizer steps without it (``local_momentum=``,
+:mod:`algorithms.local_momentum`): error feedback's residual with momentum
+after the aggregation made sign diverge.
 
 Cost per step: one all-reduce of the model's size m bytes, in b buckets; with
 the ring, 2(n-1) b alpha + 2 m (n-1)/n beta + m (n-1)/n gamma, and each
@@ -109,7 +109,7 @@ from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
 from .compressed import CompressedSlices, resolve
 from .flat import TorchFlatParams
-from .local_momentum import LocalMomentum, has_momentum, parameter_groups
+from .local_momentum import LocalMomentum, default_on, parameter_groups
 
 
 class AllReduceSGD(Algorithm):
@@ -139,9 +139,10 @@ class AllReduceSGD(Algorithm):
         local_momentum: each worker applies the SGD optimizer's momentum and
             weight decay to its own gradient before compressing it, and the
             optimizer steps without them
-            (:mod:`algorithms.local_momentum`). None: on where error feedback is
-            on and the optimizer has momentum. Needs a compression and an SGD
-            optimizer; finish a step with :meth:`step`.
+            (:mod:`algorithms.local_momentum`). None: on for sign and top-k with
+            error feedback where the optimizer has momentum
+            (:func:`~algorithms.local_momentum.default_on`). Needs a compression
+            and an SGD optimizer; finish a step with :meth:`step`.
         seed: seeds the compressors' random numbers (qsgd, random-k, PowerSGD).
 
     Attributes:
@@ -230,7 +231,7 @@ class AllReduceSGD(Algorithm):
 
     def _resolve_local_momentum(self) -> bool:
         """Whether the workers apply momentum before compressing (the ``local_momentum``
-        argument, checked; None: where error feedback is on and the optimizer has momentum)."""
+        argument, checked; None: :func:`~algorithms.local_momentum.default_on`)."""
         arg = self.local_momentum_arg
         if arg is not None and not isinstance(arg, bool):
             raise ArgumentError(f"local_momentum must be None, True or False, got {arg!r}")
@@ -239,8 +240,7 @@ class AllReduceSGD(Algorithm):
                 "local_momentum needs a compression: uncompressed, the optimizer's momentum on the "
                 "average is the same update"
             )
-        feedback = self._compression is not None and self._compression[1]
-        on = arg if arg is not None else feedback and has_momentum(self.optimizer)
+        on = arg if arg is not None else default_on(self._compression, self.optimizer)
         if on:
             parameter_groups(self.optimizer, self.flat)  # an SGD, or ArgumentError now
         return on

@@ -110,14 +110,15 @@ def test_error_feedback_defaults_switch_and_state() -> None:
 
 
 def test_local_momentum_defaults_and_state() -> None:
-    """On where error feedback is on and the optimizer has momentum; its velocity is
+    """On for sign and top-k with error feedback where the optimizer has momentum; its velocity is
     algorithm state, and a restored run takes the same steps bit for bit."""
     comm = WORLD
     ok = True
     for spec, momentum, switch, on in [
         ("sign", 0.9, None, True),
         ("topk:0.1", 0.9, None, True),
-        ("powersgd:2", 0.9, None, True),
+        ("powersgd:2", 0.9, None, False),
+        ("powersgd:2", 0.9, True, True),
         ("qsgd:127", 0.9, None, False),
         ("sign", 0.0, None, False),
         ("sign", 0.9, False, False),
