@@ -184,7 +184,8 @@ ALGORITHM_OPTIONS = (
     AlgorithmOption(
         "--local-momentum",
         "local_momentum",
-        "apply the optimizer's momentum on each worker before compressing (default: on where error feedback is on)",
+        "apply the optimizer's momentum on each worker before compressing (default: on for sign and topk with "
+        "error feedback)",
         type=_on_off,
     ),
     AlgorithmOption(
