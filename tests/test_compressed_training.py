@@ -376,21 +376,26 @@ def test_bytes_per_step_against_the_uncompressed_ring() -> None:
 
 @digits
 def test_error_feedback_brings_top_k_and_sign_near_uncompressed_accuracy() -> None:
-    """Digits, the MLP 64-64-10, 30 epochs on every rank: top-k 1 % and sign with error
-    feedback within 2.5 points of uncompressed AllReduce-SGD (measured: 97.2 % and 95.0 %
-    against 96.4 % on 4 ranks); top-k without it well below."""
+    """Digits, the MLP 64-64-10, 30 epochs on every rank: top-k 1 % with error feedback
+    (and local momentum) and sign with error feedback and the momentum after the average
+    within 2.5 points of uncompressed AllReduce-SGD; sign with local momentum, the
+    default, trains but lower here (measured on 4 ranks: 96.7 %, 95.0 % and 87.2 %
+    against 96.4 %; on Fashion-MNIST's MLP the momentum after the average diverged,
+    docs/performance.rst); top-k without error feedback well below."""
     cfg = config()
     cfg.epochs = 30
     accuracy = {}
     for name, options in [
         ("none", {}),
         ("topk", {"compression": "topk:0.01"}),
-        ("sign", {"compression": "sign"}),
+        ("sign", {"compression": "sign", "local_momentum": False}),
+        ("sign, local momentum", {"compression": "sign"}),
         ("topk without", {"compression": "topk:0.01", "error_feedback": False}),
     ]:
         cfg.options = options
         accuracy[name] = train(cfg, WORLD).epochs[-1]["test_acc"]
     assert accuracy["topk"] >= accuracy["none"] - 0.025 and accuracy["sign"] >= accuracy["none"] - 0.025, accuracy
+    assert accuracy["sign, local momentum"] >= 0.8, accuracy
     assert accuracy["topk without"] < accuracy["topk"] - 0.01, accuracy
 
 
