@@ -132,7 +132,7 @@ class AllReduceSGD(Algorithm):
         bucket_mb: the largest bucket, in MiB (a larger parameter is a
             bucket of its own); the same buckets are used with and without
             overlap.
-        compression: None (or "none"), or a compressor spec "NAME[:PARAM]" of
+        compression: None (or "none"), or a compressor spec "NAME[:PARAM][@AGGREGATION]" of
             :data:`collectives.COMPRESSORS` for every bucket (module docstring).
         error_feedback: keep each worker's compression residual for its next
             gradient (None: the compressor's default, on for the biased ones).

@@ -4,7 +4,7 @@ The compressors (:mod:`collectives.compression`) know nothing of training.
 This module builds them for an algorithm's buffers and owns what persists
 between steps:
 
-* :func:`resolve` checks a spec "NAME[:PARAM]" and the error-feedback switch
+* :func:`resolve` checks a spec "NAME[:PARAM][@AGGREGATION]" and the error-feedback switch
   locally, at construction; ``none`` and None mean no compression (the
   algorithm's uncompressed path, unchanged);
 * :func:`compressor_for` makes the compressor for a buffer of a given layout:
@@ -129,11 +129,16 @@ def compressor_for(spec: str, layout: Layout, seed: int = 0) -> Compressor:
     Raises:
         ArgumentError: a bad spec or option.
     """
-    kind = COMPRESSORS.get(spec.partition(":")[0].strip().lower())
+    kind = COMPRESSORS.get(name_of(spec))
     options: dict[str, Any] = {"seed": seed}
     if kind is not None and "shapes" in inspect.signature(kind).parameters:
         options["shapes"] = layout
     return collectives.compressor(spec, **options)
+
+
+def name_of(spec: str) -> str:
+    """The compressor's name in a spec "NAME[:PARAM][@AGGREGATION]", lower case."""
+    return spec.partition("@")[0].partition(":")[0].strip().lower()
 
 
 def part(layout: Layout, start: int, stop: int) -> list[tuple[int, Sequence[int]]]:

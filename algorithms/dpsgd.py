@@ -199,6 +199,11 @@ class DPSGD(Algorithm):
             return
         if self.overlap_arg:
             raise ArgumentError("compressed gossip (CHOCO-SGD) does not overlap: use overlap=False or None")
+        if "@" in resolved[0]:
+            raise ArgumentError(
+                f"compression {resolved[0]!r}: CHOCO-SGD sends each neighbor the payload itself, "
+                "nothing is aggregated: leave the aggregation out"
+            )
         self._may_overlap = False
         self.compressor = compressor_for(resolved[0], layout, self.seed)
         self.gamma = consensus_step(self.compressor, self.gamma_arg)

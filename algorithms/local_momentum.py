@@ -47,7 +47,7 @@ from collectives import ArgumentError, as_flat
 from collectives.transport.buffers import array_module
 from collectives.transport.scratch import scratch
 
-from .compressed import host_copy, load_into
+from .compressed import host_copy, load_into, name_of
 from .error_feedback import zeros_like
 from .flat import FlatParams
 from .optim import SGD
@@ -173,7 +173,7 @@ def default_on(compression: tuple[str, bool] | None, optimizer: Any) -> bool:
     returns it), where the optimizer has momentum."""
     if compression is None or not compression[1]:
         return False
-    return compression[0].partition(":")[0] in LOCAL and has_momentum(optimizer)
+    return name_of(compression[0]) in LOCAL and has_momentum(optimizer)
 
 
 def has_momentum(optimizer: Any) -> bool:

@@ -114,7 +114,7 @@ class LSGD(Algorithm):
         algorithm: the all-reduce algorithm among the representatives (and of
             the whole gradient when there is one group): a key of
             :data:`collectives.ALGORITHMS`; "auto" is resolved at construction.
-        compression: None (or "none"), or a compressor spec "NAME[:PARAM]" of
+        compression: None (or "none"), or a compressor spec "NAME[:PARAM][@AGGREGATION]" of
             :data:`collectives.COMPRESSORS` for the inter-group all-reduce.
         error_feedback: keep the representatives' compression residual for
             their next sum (None: the compressor's default).

@@ -55,6 +55,10 @@ def test_registry_names_every_compressor_and_specs_round_trip() -> None:
         assert create(c.spec, **({"shapes": mlp_shapes(100, 8)} if name == "powersgd" else {})).spec == c.spec
         assert c.aggregation == type(c).aggregations[0]
     assert create("QSGD").spec == "qsgd:127" and create(" topk : 0.5").spec == "topk:0.5"
+    # The aggregation in the spec, kept there where it is not the default:
+    assert create("sign@allgather").aggregation == "allgather" and create("sign@allgather").spec == "sign@allgather"
+    assert create(" QSGD:31 @ AllGather").spec == "qsgd:31@allgather" and create("sign@reduce_scatter").spec == "sign"
+    assert create("fp16", aggregation="allgather").spec == "fp16@allgather"
     assert [n for n, cls in COMPRESSORS.items() if cls.unbiased] == ["none", "qsgd", "randk"]
     assert [n for n, cls in COMPRESSORS.items() if cls.feedback] == ["sign", "topk", "powersgd"]
 
@@ -81,6 +85,9 @@ def test_registry_names_every_compressor_and_specs_round_trip() -> None:
         ("powersgd:1", {"shapes": [(0, (4, -4))]}, "negative dimension"),
         ("powersgd:1", {"shapes": [(0, 4)]}, "entry 0 must be (offset, shape)"),
         ("topk:0.1", {"aggregation": "reduce_scatter"}, "aggregates by allgather, not 'reduce_scatter'"),
+        ("topk:0.1@reduce_scatter", {}, "aggregates by allgather, not 'reduce_scatter'"),
+        ("sign@ring", {}, "aggregates by reduce_scatter or allgather, not 'ring'"),
+        ("sign@allgather", {"aggregation": "reduce_scatter"}, "aggregation='reduce_scatter' disagrees"),
         ("fp16", {"aggregation": "allreduce"}, "aggregates by reduce_scatter or allgather"),
         ("fp16", {"bucket": 4}, "unexpected keyword argument 'bucket'"),
     ],

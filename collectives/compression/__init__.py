@@ -55,20 +55,27 @@ COMPRESSORS: dict[str, type[Compressor]] = {
 
 
 def create(spec: str | Compressor, **options: Any) -> Compressor:
-    """The compressor a spec "NAME[:PARAM]" names, e.g. "fp16", "qsgd:127", "topk:0.01",
-    "powersgd:4" (a :class:`Compressor` is returned as it is).
+    """The compressor a spec "NAME[:PARAM][@AGGREGATION]" names, e.g. "fp16", "qsgd:127",
+    "topk:0.01", "powersgd:4", "sign@allgather" (a :class:`Compressor` is returned as it is).
 
     Args:
-        spec: NAME in :data:`COMPRESSORS`, PARAM its parameter (default if left out).
-        options: the class's keyword arguments: ``aggregation``, ``seed``;
-            ``bucket`` (qsgd, sign); ``shapes`` (powersgd, required).
+        spec: NAME in :data:`COMPRESSORS`, PARAM its parameter (default if left out),
+            AGGREGATION one of the class's ``aggregations`` (default: the first).
+        options: the class's keyword arguments: ``aggregation`` (the spec's, if it
+            has one), ``seed``; ``bucket`` (qsgd, sign); ``shapes`` (powersgd, required).
 
     Raises:
-        ArgumentError: unknown name, bad parameter or option.
+        ArgumentError: unknown name, bad parameter, aggregation or option.
     """
     if isinstance(spec, Compressor):
         return spec
-    name, colon, param = str(spec).partition(":")
+    text, at, aggregation = str(spec).partition("@")
+    if at:
+        chosen = aggregation.strip().lower()
+        if options.get("aggregation", chosen) != chosen:
+            raise ArgumentError(f"compressor {spec!r}: the option aggregation={options['aggregation']!r} disagrees")
+        options = {**options, "aggregation": chosen}
+    name, colon, param = text.partition(":")
     cls = COMPRESSORS.get(name.strip().lower())
     if cls is None:
         raise ArgumentError(f"unknown compressor {name!r}; valid compressors: {', '.join(COMPRESSORS)}")

@@ -138,7 +138,9 @@ class Compressor(ABC):
             indices, depend on the seed only).
 
     Attributes:
-        spec: the name and parameter, e.g. "qsgd:127".
+        spec: the name and parameter, e.g. "qsgd:127", and the aggregation where it
+            is not the default ("sign@allgather"): what
+            :func:`collectives.compression.create` builds this compressor from.
         aggregation: how :meth:`allreduce` combines the ranks' contributions.
         bucket: chunk boundaries of ``reduce_scatter`` fall on multiples of this
             many elements (the codec's scales are per bucket).
@@ -167,6 +169,16 @@ class Compressor(ABC):
         self.seed = int(seed)
         self.spec = self.name
         self._rng: dict[Any, Any] = {}
+
+    @property
+    def spec(self) -> str:
+        """The name and parameter, then ``@aggregation`` where it is not the default."""
+        default = self.aggregation == self.aggregations[0]
+        return self._spec if default else f"{self._spec}@{self.aggregation}"
+
+    @spec.setter
+    def spec(self, text: str) -> None:
+        self._spec = text
 
     def __repr__(self) -> str:
         return f"<compressor {self.spec} ({self.aggregation})>"
