@@ -74,7 +74,8 @@ top-k (error feedback on) and an optimizer with momentum, each worker
 applies the momentum to its own gradient before compressing it, and the
 optimizer steps without it (``local_momentum=``,
 :mod:`algorithms.local_momentum`): error feedback's residual with momentum
-after the aggregation made sign diverge.
+after the aggregation made sign diverge. ``compression_start=K`` all-reduces
+the first K steps uncompressed (a warm-up: the largest gradients come first).
 
 Cost per step: one all-reduce of the model's size m bytes, in b buckets; with
 the ring, 2(n-1) b alpha + 2 m (n-1)/n beta + m (n-1)/n gamma, and each
@@ -143,6 +144,9 @@ class AllReduceSGD(Algorithm):
             error feedback where the optimizer has momentum
             (:func:`~algorithms.local_momentum.default_on`). Needs a compression
             and an SGD optimizer; finish a step with :meth:`step`.
+        compression_start: the first steps are all-reduced uncompressed, as
+            DDP's PowerSGD hook does its first ``start_powerSGD_iter`` (local
+            momentum, where on, is applied throughout); 0: compress from the start.
         seed: seeds the compressors' random numbers (qsgd, random-k, PowerSGD).
 
     Attributes:
@@ -175,6 +179,7 @@ class AllReduceSGD(Algorithm):
         compression: str | None = None,
         error_feedback: bool | None = None,
         local_momentum: bool | None = None,
+        compression_start: int = 0,
         seed: int = 0,
         **common: Any,
     ) -> None:
@@ -184,6 +189,7 @@ class AllReduceSGD(Algorithm):
         self.compression_arg, self.error_feedback_arg, self.seed = compression, error_feedback, seed
         self.compression: CompressedSlices | None = None
         self.local_momentum_arg = local_momentum
+        self.compression_start = compression_start
         self.local_momentum: LocalMomentum | None = None
         self._background: Background | None = None
         self._shared: SharedVectors | None = None
@@ -218,6 +224,11 @@ class AllReduceSGD(Algorithm):
         bounds = np.array([(b.start, b.stop) for b in self.buckets], np.int64)
         self._compression = resolve(self.compression_arg, self.error_feedback_arg, self.flat.layout())
         self._local = self._resolve_local_momentum()
+        start = self.compression_start
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ArgumentError(f"compression_start must be a number of steps >= 0, got {start!r}")
+        if start and self._compression is None:
+            raise ArgumentError("compression_start needs a compression (the steps before it are uncompressed)")
         return (
             self.algorithm,
             self.layout,
@@ -227,6 +238,7 @@ class AllReduceSGD(Algorithm):
             self._compression,
             self.seed if self._compression else None,
             self._local,
+            start,
         )
 
     def _resolve_local_momentum(self) -> bool:
@@ -374,10 +386,10 @@ class AllReduceSGD(Algorithm):
         if self._shared is not None and self.bucket_algorithms[bucket.index] == "shm":
             self._shared.allreduce(bucket.start, bucket.stop, self._red, pieces)
             return
-        if self.compression is not None:
+        if self.local_momentum is not None:
+            self.local_momentum.apply(bucket.params)
+        if self.compression is not None and self.iterations >= self.compression_start:
             k = bucket.index
-            if self.local_momentum is not None:
-                self.local_momentum.apply(bucket.params)
             self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_algorithms[k])
             return
         collectives.allreduce(

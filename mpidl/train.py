@@ -190,6 +190,13 @@ ALGORITHM_OPTIONS = (
         type=_on_off,
     ),
     AlgorithmOption(
+        "--compression-start",
+        "compression_start",
+        "steps all-reduced uncompressed before compression starts (default 0)",
+        type=_parser(int, lambda v: v >= 0, "a number of steps >= 0"),
+        metavar="K",
+    ),
+    AlgorithmOption(
         "--gamma",
         "gamma",
         "CHOCO-SGD's consensus step size (default: by compressor, docs/training.rst)",

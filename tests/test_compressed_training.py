@@ -218,6 +218,8 @@ def test_local_momentum_refuses_what_would_apply_momentum_twice() -> None:
         ({"error_feedback": True}, "error_feedback needs a compression"),
         ({"compression": "sign", "error_feedback": "yes"}, "error_feedback must be None, True or False"),
         ({"local_momentum": True}, "local_momentum needs a compression"),
+        ({"compression_start": 2}, "compression_start needs a compression"),
+        ({"compression": "sign", "compression_start": -1}, "compression_start must be a number of steps >= 0"),
         ({"compression": "sign", "local_momentum": 1}, "local_momentum must be None, True or False"),
     ],
 )
@@ -227,6 +229,27 @@ def test_bad_compression_raises_on_every_rank(options: dict, match: str) -> None
     with pytest.raises(ArgumentError, match=match) as info:
         algorithms.AllReduceSGD(x, SGD(x, lr=0.1), comm, **options)
     assert all_ok(comm, len(set(comm.allgather(str(info.value)))) == 1)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_compression_starts_after_the_uncompressed_steps(size: int) -> None:
+    """compression_start=3: the first three steps are the uncompressed all-reduce's, bit
+    for bit, with nothing in the error-feedback memory; from the fourth, sign's (its
+    memory fills)."""
+    comm = comm_of_size(size)
+    rank, ok, at_three = comm.Get_rank(), True, {}
+    for options in ({}, {"compression": "sign", "compression_start": 3}):
+        x = np.zeros((6, 8), np.float32)
+        with algorithms.AllReduceSGD(x, SGD(x, lr=0.1), comm, algorithm="ring", **options) as algo:
+            for t in range(5):
+                algo.step(gradient(x, rank, t))
+                memory = algo.state_dict().get("residual")
+                if t == 2:
+                    at_three[bool(options)] = x.copy()
+                if memory is not None:
+                    ok &= bool(np.any(memory)) == (t >= 3)
+    ok &= np.array_equal(at_three[True], at_three[False])
+    assert all_ok(comm, ok)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
