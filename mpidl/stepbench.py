@@ -25,6 +25,11 @@ the median over repetitions. The phases (zero, forward, backward, step: the
 wall time of each call, communication included where it happens) are rank
 0's medians. The summary gives each candidate's time over ``local``'s, and
 DDP's time over each candidate's.
+
+``--device cuda`` puts the models, batches and gradients on the rank's GPU
+(local rank mod the GPU count; DDP stays on gloo, which takes CUDA tensors,
+since NCCL refuses ranks that share a GPU); every phase then ends with a
+device synchronisation, so that the host clock measures the device's work.
 """
 
 from __future__ import annotations
@@ -92,6 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="samples per step per rank (default 32)")
     p.add_argument("--threads", type=int, help="torch threads per rank (default: cores / ranks on the node)")
     p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the models, batches and gradients live (cuda: GPU local rank mod GPU count; default cpu)",
+    )
+    p.add_argument(
         "--collective",
         default=collectives.DEFAULT_ALGORITHM,
         choices=list(collectives.ALGORITHMS),
@@ -141,18 +152,21 @@ def run(args: argparse.Namespace, comm: MPI.Comm) -> tuple[list[Result], dict[st
         raise ValueError("--steps, --repeat and --batch-size must be positive, --warmup not negative")
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     threads = args.threads or max(1, (os.cpu_count() or 1) // local.Get_size())
+    device = models.rank_device(args.device, local.Get_rank())
     local.Free()
     torch.set_num_threads(threads)
     shape = args.shape or ((1, 8, 8) if args.model == "mlp" else (1, 28, 28))
 
     def fresh() -> models.Model:
-        net = models.make(args.model, shape, args.classes, hidden=args.hidden, backend="torch", seed=args.seed)
+        net = models.make(
+            args.model, shape, args.classes, hidden=args.hidden, backend="torch", seed=args.seed, device=device
+        )
         net.make_optimizer(0.01, 0.9)
         return net
 
     rng = np.random.default_rng([args.seed, comm.Get_rank()])
-    x = torch.from_numpy(rng.standard_normal((args.batch_size, math.prod(shape)), dtype=np.float32))
-    y = torch.from_numpy(rng.integers(0, args.classes, args.batch_size))
+    x = torch.from_numpy(rng.standard_normal((args.batch_size, math.prod(shape)), dtype=np.float32)).to(device)
+    y = torch.from_numpy(rng.integers(0, args.classes, args.batch_size)).to(device)
     steps: dict[str, Step] = {}
     closers: list[Callable[[], None]] = []
     described: dict[str, Any] = {}
@@ -166,6 +180,7 @@ def run(args: argparse.Namespace, comm: MPI.Comm) -> tuple[list[Result], dict[st
         "batch_size": args.batch_size,
         "ranks": comm.Get_size(),
         "threads": threads,
+        "device": device,
         "collective": args.collective,
         "steps": args.steps,
         "repeat": args.repeat,
@@ -213,15 +228,16 @@ def _candidate(
     """The timed step of candidate ``name`` on its own model ``net`` (module docstring)."""
     import torch
 
-    module, opt = net.model, net.optimizer
+    module, opt, sync = net.model, net.optimizer, net.synchronize
     if name == "local":
-        return _training_step(module, x, y, opt.zero_grad, opt.step)
+        return _training_step(module, x, y, opt.zero_grad, opt.step, sync)
     if name == "comm":
-        buf = torch.zeros(net.parameters)
+        buf = torch.zeros(net.parameters, device=net.device)
 
         def alone() -> tuple[float, float, float, float]:
             t0 = _clock()
             collectives.allreduce(buf, comm, "avg", args.collective, validate=False)
+            sync()
             return (0.0, 0.0, 0.0, _clock() - t0)
 
         return alone
@@ -229,9 +245,10 @@ def _candidate(
         from torch.nn.parallel import DistributedDataParallel
 
         torchdist.init_process_group(comm)
-        wrapper = DistributedDataParallel(module)
+        on_gpu = net.device.type == "cuda"
+        wrapper = DistributedDataParallel(module, device_ids=[net.device.index] if on_gpu else None)
         closers.append(torchdist.destroy_process_group)
-        return _training_step(wrapper, x, y, opt.zero_grad, opt.step)
+        return _training_step(wrapper, x, y, opt.zero_grad, opt.step, sync)
     kind, _, overlap = name.partition("+")
     options: dict[str, Any] = {"topology": args.topology}
     if kind == "allreduce":
@@ -244,11 +261,14 @@ def _candidate(
         described["resident"] = algo.resident
         if algo.choice is not None:
             described["collective"] = f"auto ({algo.choice.algorithm})"
-    return _training_step(module, x, y, algo.zero_grad, algo.step)
+    return _training_step(module, x, y, algo.zero_grad, algo.step, sync)
 
 
-def _training_step(module: Any, x: Any, y: Any, zero: Callable[[], object], step: Callable[[], object]) -> Step:
-    """zero(), forward, backward, step(): the seconds of each."""
+def _training_step(
+    module: Any, x: Any, y: Any, zero: Callable[[], object], step: Callable[[], object], sync: Callable[[], None]
+) -> Step:
+    """zero(), forward, backward, step(): the seconds of each, ``sync()`` (waiting for
+    the device's queued work; nothing on the CPU) ending each phase."""
     import torch
 
     loss_fn = torch.nn.functional.cross_entropy
@@ -256,12 +276,16 @@ def _training_step(module: Any, x: Any, y: Any, zero: Callable[[], object], step
     def run() -> tuple[float, float, float, float]:
         t0 = _clock()
         zero()
+        sync()
         t1 = _clock()
         loss = loss_fn(module(x), y)
+        sync()
         t2 = _clock()
         loss.backward()
+        sync()
         t3 = _clock()
         step()
+        sync()
         return (t1 - t0, t2 - t1, t3 - t2, _clock() - t3)
 
     return run
@@ -307,7 +331,7 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"# mpidl step-bench: {meta['model']} ({meta['parameters']:,} parameters, "
             f"{meta['bytes'] / 2**20:.1f} MiB), batch {meta['batch_size']} per rank, {meta['ranks']} ranks, "
-            f"{meta['threads']} thread(s) per rank; all-reduce {meta['collective']}{plan}"
+            f"{meta['threads']} thread(s) per rank on {meta['device']}; all-reduce {meta['collective']}{plan}"
         )
         print(f"# median of {meta['repeat']} batches of {meta['steps']} steps; phases: rank 0's medians (ms)")
         print(table(results))

@@ -464,13 +464,7 @@ def _set_threads(threads: int, backend: str) -> None:
 def _setup(config: TrainConfig, local: MPI.Comm, dataset: data.Dataset) -> tuple[models.Model, int]:
     """This worker's model (with its optimizer) and thread count; local checks only."""
     threads = config.threads or max(1, (os.cpu_count() or 1) // local.Get_size())
-    device = config.device
-    if device == "cuda" and models.torch_available():
-        import torch
-
-        device = f"cuda:{local.Get_rank() % max(1, torch.cuda.device_count())}"
-        if torch.cuda.is_available():  # else models.make says so
-            torch.cuda.set_device(device)  # this thread's collectives run there too (collectives.transport.gpu)
+    device = models.rank_device(config.device, local.Get_rank())
     net = models.make(
         config.model,
         dataset.shape,

@@ -386,6 +386,6 @@ def test_step_bench_times_every_candidate(tmp_path_factory: pytest.TempPathFacto
     names = [r["name"] for r in data["results"]]
     assert names == ["local", "comm", "allreduce", "allreduce+overlap", "dpsgd", "dpsgd+overlap", "ddp"]
     assert all(r["time"] > 0 and len(r["samples"]) == 2 for r in data["results"])
-    assert data["meta"]["model"] == "MLP 64-32-10" and data["meta"]["ranks"] == 2
+    assert data["meta"]["model"] == "MLP 64-32-10" and data["meta"]["ranks"] == 2 and data["meta"]["device"] == "cpu"
     assert data["meta"]["buckets"] == [4 * (10 + 320 + 32), 4 * 2048]  # 0.005 MiB: 1310 floats at most
     assert "vs local" in proc.stdout and "local + comm" in proc.stdout

@@ -35,6 +35,22 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def rank_device(device: str, local_rank: int) -> str:
+    """The torch device of a rank with ``local_rank`` on its node: ``device`` itself for
+    "cpu", else "cuda:<local_rank mod the GPU count>", made the calling thread's
+    current device (its collectives run there too, :mod:`collectives.transport.gpu`).
+    Without torch or without a GPU it returns "cuda:0" and sets nothing, and
+    :func:`make` says why it cannot build there."""
+    if device != "cuda" or not torch_available():
+        return device
+    import torch
+
+    chosen = f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(chosen)
+    return chosen
+
+
 def make(
     kind: str,
     shape: Sequence[int],
@@ -89,4 +105,14 @@ def make(
         )
 
 
-__all__ = ["BACKENDS", "MODELS", "Model", "NumpyMLP", "describe", "init_params", "make", "torch_available"]
+__all__ = [
+    "BACKENDS",
+    "MODELS",
+    "Model",
+    "NumpyMLP",
+    "describe",
+    "init_params",
+    "make",
+    "rank_device",
+    "torch_available",
+]
