@@ -16,6 +16,11 @@ table a summary gives, per size, auto's time over the best fixed
 algorithm's and native's over auto's, and at the smallest and largest sizes
 the cost model's order of the algorithms against the measured one.
 
+On ``--device cuda`` the run also measures the device reduction that every
+algorithm's combine step runs (CuPy's ufunc into its first operand) at the
+largest size, against a device-to-device copy of the same size: bytes moved
+(two reads and a write; a read and a write) over the time CUDA events give.
+
 Native MPICH allocates a temporary buffer per large call, so its time depends
 on malloc: the run reports ``GLIBC_TUNABLES`` as found, and ``--tuned-malloc``
 also times native after ``mallopt`` keeps freed memory mapped
@@ -42,7 +47,7 @@ import numpy as np
 
 import collectives
 from collectives.topology.layout import layout
-from collectives.transport import gpu
+from collectives.transport import gpu, ops
 from collectives.tuning import costmodel
 
 from . import plotting
@@ -235,6 +240,36 @@ def run(
     return results
 
 
+def device_bandwidth(nbytes: int, dtype: str = "float32", repeat: int = 21) -> tuple[float, float]:
+    """(reduction, copy), in bytes moved per second on the current CUDA device:
+    mpidl's device sum ``dst <- dst + src`` (:func:`collectives.transport.ops.reduction`;
+    ``3 * nbytes`` moved) and a device-to-device copy (``2 * nbytes``), each the median
+    of ``repeat`` runs timed with CUDA events after one warm-up, on random operands."""
+    import cupy
+
+    n = nbytes // np.dtype(dtype).itemsize
+    rng = cupy.random.default_rng(0)
+    dst, src = ((rng.random(n, dtype=np.float64) * 1000).astype(dtype) for _ in range(2))
+    copy = cupy.empty_like(dst)
+    add = ops.reduction("sum", dtype, cupy)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def seconds(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(repeat):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+        return statistics.median(times)
+
+    reduce_s = seconds(lambda: add.combine(dst, src))
+    copy_s = seconds(lambda: cupy.copyto(copy, src))
+    return 3 * n * dst.itemsize / reduce_s, 2 * n * dst.itemsize / copy_s
+
+
 def _calibrate(comm: Any, fn: Callable[[np.ndarray], object], x: np.ndarray, batch_time: float) -> int:
     """Warm up, then choose (on every rank alike) how many calls make one batch."""
     fn(x)
@@ -415,5 +450,14 @@ def main(args: argparse.Namespace) -> int:
         print(table(results, comm.Get_size()))
         print("# auto against the best fixed algorithm and native; the cost model's order")
         print(summary(results))
+        if args.device == "cuda":
+            size = max(sizes)
+            reduce_bw, copy_bw = device_bandwidth(size, args.dtype)
+            meta["device_bandwidth"] = {"bytes": size, "reduction": reduce_bw, "copy": copy_bw}
+            print(
+                f"# device reduction (sum into the first operand, {args.dtype}) at {human(size)}: "
+                f"{reduce_bw / 1e9:.0f} GB/s (2 reads + 1 write), {reduce_bw / copy_bw:.0%} of a device copy's "
+                f"{copy_bw / 1e9:.0f} GB/s (read + write)"
+            )
         write_outputs(results, args, meta)
     return 0

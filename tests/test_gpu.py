@@ -42,3 +42,16 @@ def test_bench_on_device() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ring" in proc.stdout and "native" in proc.stdout
+    # the device reduction's bandwidth at 1 MiB, as a fraction of a device copy's
+    assert re.search(r"device reduction .* at 1 MiB: \d+ GB/s .* \d+% of a device copy's \d+ GB/s", proc.stdout)
+
+
+def test_step_bench_on_device() -> None:
+    """``mpidl step-bench --device cuda``: every candidate (DDP over gloo, which takes CUDA
+    tensors) times a step of a model on the GPU."""
+    args = ["--device", "cuda", "--hidden", "64", "--steps", "2", "--repeat", "2", "--warmup", "1"]
+    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "step-bench", *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "thread(s) per rank on cuda:0" in proc.stdout
+    for name in ("local", "allreduce+overlap", "ddp"):
+        assert re.search(rf"^{re.escape(name)} +\d", proc.stdout, re.M), proc.stdout
