@@ -181,3 +181,20 @@ def test_model_file_is_loaded_not_measured(tmp_path_factory, monkeypatch: pytest
             )
     finally:
         sub.Free()
+
+
+@pytest.mark.mpi
+def test_device_calibration_measures_every_algorithms_latency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibrated on device buffers (here the fake CuPy's, through the staged transport),
+    every message-passing algorithm's 8-byte latency is measured on that memory too: on a
+    GPU-aware library a one-way step and an exchange differ by hundreds of microseconds
+    (an H100 with Intel MPI: reduce_broadcast 0.47 ms, ring 1.1 ms on 2 ranks)."""
+    import fake_cupy
+
+    fake_cupy.install(monkeypatch)
+    comm = MPI.COMM_WORLD
+    prm = calibration.calibrate(comm, collectives.topology.layout.layout(comm, "1"), repeat=3, xp=fake_cupy)
+    assert "device buffers" in prm.source
+    passing = {name for name in costmodel.MODELS if name != "shm"}
+    assert set(prm.offset) == (passing if comm.Get_size() > 1 else set())
+    assert all(math.isfinite(v) for v in prm.offset.values())

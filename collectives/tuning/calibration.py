@@ -58,9 +58,9 @@ def calibrate(
     beyond a plain exchange (inside a node if it has two ranks); overhead
     from an unchecked all-reduce of an empty buffer; alpha_shm and beta_shm
     from the shared-memory algorithm on 8 B and 16 MiB, every node at once
-    (host buffers only: it does not run on device buffers); ``fixed`` from
-    each message-passing algorithm run on 8 B of host memory, what it takes
-    minus its model's prediction (device buffers: not measured). Parameters
+    (host buffers only: it does not run on device buffers); ``offset`` from
+    each message-passing algorithm run on 8 B of the same memory, what it
+    takes minus its model's prediction. Parameters
     that the layout cannot measure (no two ranks on one node, or one node)
     are taken from the other link class, or the defaults. ``xp`` = cupy
     measures device buffers (through the device transport in use), whose
@@ -163,16 +163,21 @@ def calibrate(
         b_shm,
         source=f"calibrated {stamp} on {comm.Get_size()} ranks, {lay}, {memory} buffers",
     )
-    if xp is np and comm.Get_size() > 1:
-        prm.offset = _offsets(user, lay, prm)
+    if comm.Get_size() > 1:
+        # On the device a message's latency is the transport's (staging copies, or a
+        # GPU-aware library's handling of device pointers) and differs between one-way
+        # steps and exchanges by hundreds of microseconds: fewer calls measure it.
+        prm.offset = _offsets(user, lay, prm, xp, calls=40 if xp is np else 8)
     return prm
 
 
-def _offsets(comm: MPI.Comm, lay: Layout, prm: Params, batches: int = 7, calls: int = 40) -> dict[str, float]:
-    """Each message-passing algorithm's time per call on 8 B of host memory (unchecked,
+def _offsets(
+    comm: MPI.Comm, lay: Layout, prm: Params, xp: Any = np, batches: int = 7, calls: int = 40
+) -> dict[str, float]:
+    """Each message-passing algorithm's time per call on 8 B of ``xp``'s memory (unchecked,
     the least of ``batches`` barrier-aligned batches of ``calls`` calls, the slowest
     rank's) minus what its model predicts with ``prm`` (collective: plans are built)."""
-    x, add = np.zeros(_SMALL // 4, np.float32), reduction("sum", "float32")
+    x, add = xp.zeros(_SMALL // 4, np.float32), reduction("sum", "float32", xp)
     offsets = {}
     for name in MODELS:
         if name == "shm":  # its parameters are fitted to its own runs
