@@ -107,6 +107,12 @@ class DDP(algorithms.Algorithm):
         if not self.bucket_mb > 0:
             raise ArgumentError(f"bucket_mb must be positive, got {self.bucket_mb!r}")
         self._hook = _hook(self.compression)
+        if self._hook[0] == "powersgd" and self.flat.params.device.type == "cpu" and torch.cuda.is_available():
+            raise ArgumentError(
+                "ddp: DDP's PowerSGD hook cannot train a model on the CPU where CUDA is available "
+                f"(torch {torch.__version__}'s powerSGD_hook calls torch.cuda.synchronize() on the gradients' "
+                "device, the CPU); train on the GPU (--device cuda) or hide it (CUDA_VISIBLE_DEVICES=)"
+            )
         return (self.bucket_mb, self._hook)
 
     def _start(self) -> None:

@@ -444,6 +444,7 @@ def test_error_feedback_brings_top_k_and_sign_near_uncompressed_accuracy() -> No
 
 
 @digits
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DDP's PowerSGD hook refuses CPU models where CUDA is")
 def test_ddp_compresses_with_its_hooks() -> None:
     """``--algorithm ddp --compression powersgd:2``: DDP's PowerSGD hook after its two
     plain steps (bytes per step: its P, Q and uncompressed biases, 0.29 of the plain
@@ -478,3 +479,14 @@ def test_ddp_refuses_what_it_has_no_hook_for() -> None:
         with pytest.raises(ArgumentError, match="ddp compresses with its communication hooks only") as info:
             peers.DDP(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, compression=spec)
         assert all_ok(comm, len(set(comm.allgather(str(info.value)))) == 1)
+
+
+def test_ddp_refuses_powersgd_on_the_cpu_where_cuda_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's powerSGD_hook synchronises CUDA on the gradients' device whenever CUDA is
+    available, which fails for a CPU model on a GPU machine (seen with torch 2.11 on an
+    H100): the peer says so up front, on every rank."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    comm, model = WORLD, mlp()
+    with pytest.raises(ArgumentError, match="PowerSGD hook cannot train a model on the CPU where CUDA") as info:
+        peers.DDP(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, compression="powersgd:2")
+    assert all_ok(comm, len(set(comm.allgather(str(info.value)))) == 1)
