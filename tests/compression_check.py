@@ -14,6 +14,11 @@ codecs the same encodings aggregated step by step as the module docstrings
 say (bit for bit on the host), for random-k the shared draw, for PowerSGD a
 float64 power iteration, for QSGD the error bound of one quantisation step
 (unbiasedness is tested apart, in tests/test_compression_codecs.py).
+
+On the device it also checks that after a first step an all-reduce with a
+residual allocates nothing of the buffer's size from CuPy's memory pool
+(:func:`device_allocations`), as tests/test_compression_codecs.py checks on
+the host with tracemalloc.
 """
 
 from __future__ import annotations
@@ -207,6 +212,50 @@ def _power_step(compressor: Any, inputs: np.ndarray) -> np.ndarray:
     return out
 
 
+#: Compressors that allocate buffer-sized device memory per step, and why (measured on an
+#: H100 with CuPy 14, 2026-11-25); :func:`device_allocations` reports them apart.
+DEVICE_ALLOCATES = {
+    "topk": "CuPy's partition sorts a copy of the magnitudes",
+    "powersgd": "cuSOLVER's QR takes a workspace per call",
+}
+
+
+def device_allocations(comm: MPI.Comm, length: int = 400_000) -> tuple[list[str], list[str]]:
+    """(failures, known): for every case of :data:`CASES`, the device allocations of at
+    least the buffer's bytes that a second compressed all-reduce (float32, with a
+    residual) asks CuPy's memory pool for (a first call may allocate its payloads and
+    scratch; smaller ones, O(k) indices or per-bucket scales, are allowed as on the
+    host); those of :data:`DEVICE_ALLOCATES` go to ``known``."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    failures: list[str] = []
+    known: list[str] = []
+    for spec, options in CASES:
+        compressor = build(spec, options, length)
+        buf = make_buffer(np.random.default_rng(comm.Get_rank()).standard_normal(length), "float32", "cuda")
+        residual = cupy.zeros(length, dtype=cupy.float32)
+        seen: list[int] = []
+
+        def watched(nbytes: int, seen: list[int] = seen) -> Any:
+            seen.append(nbytes)
+            return pool.malloc(nbytes)
+
+        for step in range(2):
+            if step:
+                cupy.cuda.set_allocator(watched)
+            try:
+                compressor.allreduce(buf, comm, "avg", residual=residual, validate=False)
+            finally:
+                cupy.cuda.set_allocator(pool.malloc)
+        large = [n for n in seen if n >= 4 * length]
+        if large:
+            found = f"{compressor}: a second step allocated {len(large)} device buffers of {sorted(set(large))} B"
+            why = DEVICE_ALLOCATES.get(compressor.name)
+            (known if why else failures).append(f"{found} ({why})" if why else found)
+    return failures, known
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -218,8 +267,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = [int(v) for v in args.lengths.split(",")] if args.lengths else None
     cases = [case for case in CASES if not args.specs or case[0] in args.specs.split(",")]
     failures = check(comm, args.dtypes.split(","), lengths, cases, args.device)
+    known: list[str] = []
+    if args.device == "cuda":
+        allocating, known = device_allocations(comm)
+        failures += allocating
     everyone = [f"rank {r}: {f}" for r, fs in enumerate(comm.gather(failures) or []) for f in fs]
     if comm.Get_rank() == 0:
+        for k in known:
+            print(f"known: {k}")
         print("\n".join(everyone[:50]) or f"compression matrix passed on {comm.Get_size()} ranks ({args.device})")
     return int(bool(comm.bcast(everyone)))
 
