@@ -260,7 +260,7 @@ class AllReduceSGD(Algorithm):
     def _start(self) -> None:
         arg = self.overlap_arg
         self.overlap = bool(arg) if arg is not None else spare_cores(self.comm, self._may_overlap)
-        device = "cpu" if type(self.flat.grad_data) is np.ndarray else "cuda"
+        device = self.flat.memory
         self.choice = (
             collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device)
             if self.algorithm == "auto"

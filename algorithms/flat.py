@@ -103,6 +103,12 @@ class FlatParams:
         """Bytes of the parameter buffer (the size of one model)."""
         return int(self.param_data.nbytes)
 
+    @property
+    def memory(self) -> str:
+        """Where the buffers live, as :func:`collectives.explain` names it: "cpu" for host
+        arrays, "cuda" for device memory."""
+        return "cpu" if type(self.param_data) is np.ndarray else "cuda"
+
     def layout(self) -> list[tuple[int, tuple[int, ...]]]:
         """(offset, shape) of every parameter in the flat buffers, in order: they tile
         the parameters (and the gradients) from 0 (e.g. PowerSGD's ``shapes``)."""

@@ -192,9 +192,10 @@ class LSGD(Algorithm):
             self._background = Background(f"lsgd-inter-group-rank{self.rank}", gpu.device_of(self.flat.grad_data))
 
     def _resolve(self, comm: MPI.Comm) -> None:
-        """Make "auto" choose (and calibrate) now, not inside a timed step."""
+        """Make "auto" choose (and calibrate, for the model's memory) now, not inside a
+        step, where its time and messages would count as the step's."""
         if self.algorithm == "auto":
-            collectives.explain(self.flat.nbytes, comm)
+            collectives.explain(self.flat.nbytes, comm, device=self.flat.memory)
 
     def _step(self) -> None:
         self._synchronize()

@@ -49,12 +49,12 @@ class _Auto:
         self.layout = node_layout(req.comm, req.layout)
         self.runs = {name: PLANNERS[name](req) for name in _candidates(req.ctx, self.layout, np)}
         self.chosen: dict[tuple[int, Any, bool], str] = {}
-        _params(req.comm, self.layout, req.ctx)  # calibrate now, while every rank is here
 
     def algorithm_for(self, nbytes: int, xp: Any = np, validate: bool = False) -> str:
         """The algorithm run for ``nbytes`` of ``xp`` memory, with or without the
-        argument check (chosen once per case, logged at DEBUG; collective on
-        first use for device memory: it calibrates)."""
+        argument check (chosen once per case, logged at DEBUG; collective on the
+        first use of a kind of memory: it calibrates that memory's cost model,
+        and only that one)."""
         name = self.chosen.get((nbytes, xp, validate))
         if name is None:
             choice = _choose(self.req.ctx, self.req.comm, self.layout, nbytes, self.req.grid, xp, validate)

@@ -189,3 +189,22 @@ def test_service_threads_work_on_the_models_device(
         failures.append(f"the caller's device changed from {caller_device} to {fake_cupy.current()}")
     failures = gather_failures(comm, failures)
     assert all_ok(MPI.COMM_WORLD, not failures), "\n".join(failures)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("size", [2, 4])
+def test_lsgd_resolves_auto_for_device_memory_before_its_steps(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """LSGD with ``algorithm="auto"`` on a device model has the device cost model
+    calibrated when it starts, so the steps count only their own messages (on an H100
+    its first step had counted the calibration's exchanges: 274x the model per step)."""
+    comm = comm_of_size(size)
+    fake_cupy.install(monkeypatch)
+    monkeypatch.setattr(algorithms.base, "flatten", lambda x, opt: DeviceFlat(x, opt.g))
+    x, grads = fake_cupy.on(1, np.zeros(DIM)), fake_cupy.on(1, np.ones(DIM))
+    layout, _ = LAYOUTS[comm.Get_size()]
+    with algorithms.create("lsgd", x, DeviceSGD(x, grads), comm, broadcast_init=False, layout=layout) as algo:
+        for _ in range(4):
+            algo.step()
+        algo.settle()
+        per_step = algo.bytes_sent / 4
+    assert all_ok(comm, per_step <= 4 * x.host.nbytes), per_step

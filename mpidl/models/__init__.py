@@ -39,8 +39,8 @@ def rank_device(device: str, local_rank: int) -> str:
     """The torch device of a rank with ``local_rank`` on its node: ``device`` itself for
     "cpu", else "cuda:<local_rank mod the GPU count>", made the calling thread's
     current device (its collectives run there too, :mod:`collectives.transport.gpu`).
-    Without torch or without a GPU it returns "cuda:0" and sets nothing, and
-    :func:`make` says why it cannot build there."""
+    Without torch it returns ``device`` as given, without a GPU "cuda:0"; either way
+    it sets nothing, and :func:`make` says why it cannot build there."""
     if device != "cuda" or not torch_available():
         return device
     import torch
