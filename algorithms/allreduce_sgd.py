@@ -62,7 +62,9 @@ bucket's matrices, :meth:`~algorithms.flat.FlatParams.layout`), with a
 per-worker error-feedback memory per bucket
 (:class:`~algorithms.error_feedback.ErrorFeedback`: on by default for sign,
 top-k and PowerSGD, ``error_feedback=`` switches it), on the calling thread
-or, with overlap, on the service thread, in the same order either way. The
+or, with overlap, on the service thread, in the same order either way; without
+overlap and without a ``bucket_mb``, the whole gradient is one bucket (one
+compressor, its collectives once per step). The
 bucket's all-reduce algorithm is that of the linear compressors' all-reduces
 (PowerSGD's P and Q, random-k's values). A compressed run uses the ordinary
 flat gradient: never shared memory, where copying bytes costs less than
@@ -132,7 +134,11 @@ class AllReduceSGD(Algorithm):
             overlap with.
         bucket_mb: the largest bucket, in MiB (a larger parameter is a
             bucket of its own); the same buckets are used with and without
-            overlap.
+            overlap. None: :data:`~algorithms.buckets.DEFAULT_BUCKET_MB`, except
+            that a compressed gradient without overlap is one bucket (each
+            bucket costs a compressor collectives of its own, PowerSGD two
+            latency-bound all-reduces, and without overlap buckets hide
+            nothing: measured in ``docs/performance.rst``).
         compression: None (or "none"), or a compressor spec "NAME[:PARAM][@AGGREGATION]" of
             :data:`collectives.COMPRESSORS` for every bucket (module docstring).
         error_feedback: keep each worker's compression residual for its next
@@ -175,7 +181,7 @@ class AllReduceSGD(Algorithm):
         algorithm: str = collectives.DEFAULT_ALGORITHM,
         layout: RanksPerNode = None,
         overlap: bool | None = None,
-        bucket_mb: float = DEFAULT_BUCKET_MB,
+        bucket_mb: float | None = None,
         compression: str | None = None,
         error_feedback: bool | None = None,
         local_momentum: bool | None = None,
@@ -205,7 +211,8 @@ class AllReduceSGD(Algorithm):
             )
         if self.layout is not None:
             node_layout(self.comm, self.layout)  # parses the override: local
-        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+        mb = DEFAULT_BUCKET_MB if self.bucket_mb is None else self.bucket_mb
+        if isinstance(mb, bool) or not (isinstance(mb, (int, float)) and math.isfinite(mb) and mb > 0):
             raise ArgumentError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
         hooked = isinstance(self.flat, TorchFlatParams)
         if self.overlap_arg and not hooked:
@@ -219,7 +226,7 @@ class AllReduceSGD(Algorithm):
                 "overlap all-reduces on a service thread: MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
             )
         self._may_overlap = hooked and threads and type(self.flat.grad_data) is np.ndarray
-        cap = max(1, int(self.bucket_mb * 2**20) // self.flat.grad_data.itemsize)
+        cap = max(1, int(mb * 2**20) // self.flat.grad_data.itemsize)
         self.buckets = plan(self.flat.sizes, self.flat.trainable, cap)
         bounds = np.array([(b.start, b.stop) for b in self.buckets], np.int64)
         self._compression = resolve(self.compression_arg, self.error_feedback_arg, self.flat.layout())
@@ -260,6 +267,8 @@ class AllReduceSGD(Algorithm):
     def _start(self) -> None:
         arg = self.overlap_arg
         self.overlap = bool(arg) if arg is not None else spare_cores(self.comm, self._may_overlap)
+        if self.bucket_mb is None and self._compression is not None and not self.overlap:
+            self.buckets = plan(self.flat.sizes, self.flat.trainable, max(1, self.flat.size))
         device = self.flat.memory
         self.choice = (
             collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device)

@@ -17,7 +17,7 @@ from test_overlap import SMALL_BUCKETS, batches, loss, mlp, same_everywhere
 from test_train import train as train_cli
 
 import algorithms
-from algorithms import SGD
+from algorithms import SGD, allreduce_sgd
 from algorithms.compressed import consensus_step, variance_factor
 from collectives import ArgumentError, compression
 from mpidl import peers
@@ -71,6 +71,31 @@ def test_allreduce_keeps_one_model_with_every_compressor(spec: str, size: int) -
             numpy_algo.step(gradient(x, comm.Get_rank(), t))
     ok &= spread(comm, x) == 0 and bool(np.all(np.isfinite(x))) and numpy_algo.iterations == 5
     assert all_ok(WORLD, ok), (spec, size)
+
+
+def test_without_overlap_a_compressed_gradient_is_one_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bucket_mb left out: a compressed run without overlap is one bucket (one compressor,
+    its collectives once per step) and keeps one model; with overlap, uncompressed, or with
+    bucket_mb given, the default plan's buckets."""
+    monkeypatch.setattr(allreduce_sgd, "DEFAULT_BUCKET_MB", SMALL_BUCKETS)
+    comm = WORLD
+
+    def plan(overlap: bool, **options: Any) -> tuple[int, torch.Tensor]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with algorithms.AllReduceSGD(model, opt, comm, overlap=overlap, algorithm="ring", **options) as algo:
+            for x, y in batches(comm, 2):
+                algo.zero_grad()
+                loss(model, x, y).backward()
+                algo.step()
+        return len(algo.buckets), algo.params.detach().clone()
+
+    one, params = plan(False, compression="powersgd:2")
+    ok = one == 1 and same_everywhere(comm, params)
+    ok &= plan(True, compression="powersgd:2")[0] >= 3
+    ok &= plan(False)[0] >= 3
+    ok &= plan(False, compression="powersgd:2", bucket_mb=SMALL_BUCKETS)[0] >= 3
+    assert all_ok(comm, ok)
 
 
 def test_no_compression_is_the_uncompressed_path() -> None:
