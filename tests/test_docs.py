@@ -40,6 +40,19 @@ def test_index_lists_every_page() -> None:
     assert missing == []
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_scripts_the_pages_run_by_path_are_executable(page: Path) -> None:
+    """A command such as ``jobs/emulate/sweep.py ...`` works as shown: the file is executable."""
+    scripts = {
+        cmd.text.split()[0]
+        for block in blocks(page.read_text(), page.name)
+        for cmd in block.commands()
+        if cmd.text.split() and "/" in cmd.text.split()[0]
+    }
+    mode_bits = {name: (ROOT / name).stat().st_mode for name in scripts if (ROOT / name).is_file()}
+    assert [name for name, mode in sorted(mode_bits.items()) if not mode & 0o100] == []
+
+
 def test_readme_is_a_front_door() -> None:
     """Short, and the README's commands include the install, the first run, the main job and the tests."""
     text = (ROOT / "README.rst").read_text()
