@@ -1,4 +1,4 @@
-"""The peers in mpidl's harness: PyTorch DistributedDataParallel over gloo, as a training algorithm.
+"""The peers in mpidl's harness: PyTorch DDP over gloo and Horovod over MPI, as training algorithms.
 
 ``mpidl train --algorithm ddp`` trains with torch's own data-parallel
 wrapper instead of one of mpidl's algorithms, on the same data shards, the
@@ -39,6 +39,18 @@ compressed mpidl run can be compared with DDP compressing the same way:
 
 Other specs are refused (:class:`~collectives.ArgumentError`).
 
+Horovod (``mpidl train --algorithm horovod``, :class:`Horovod`), where it is
+installed (``pip install horovod`` builds it from source;
+``jobs/peers/horovod.sh`` builds it for this virtualenv's torch and MPI): its
+``DistributedOptimizer`` with its defaults (each gradient's all-reduce
+started from a backward hook, fused into 64 MiB buffers by Horovod's
+background thread, ``MPI_Allreduce`` of the MPI library mpi4py uses, the
+average), over the algorithm's communicator (``hvd.init(comm=...)``), the
+parameters broadcast from rank 0 as every run's are. ``compression``: none
+or ``fp16`` (``hvd.Compression.fp16``); Horovod has no PowerSGD. The
+optimizer is Horovod's subclass of the given one, with the same parameter
+groups and a state of its own: :attr:`Horovod.optimizer` is that one.
+
 BatchNorm statistics: DDP's default, rank 0's running statistics broadcast to
 every worker before each forward pass, so every worker evaluates with rank
 0's — unlike mpidl's gradient-averaging algorithms, which keep each worker's
@@ -46,7 +58,8 @@ own (:mod:`algorithms.flat`).
 
 Counters: the communication happens inside ``backward()``, where mpidl's
 transport does not see it, so :attr:`~algorithms.Algorithm.bytes_sent` is
-gloo's ring all-reduce payload, 2 (n-1)/n x the model's bytes per step (with
+gloo's ring all-reduce payload (Horovod: the same count for its
+``MPI_Allreduce``, whose large-message algorithm sends as much), 2 (n-1)/n x the model's bytes per step (with
 compression, of what the hook all-reduces: half of it for fp16; PowerSGD's
 P, Q and uncompressed parameters after its first steps), an estimate (the
 buffer broadcast and gloo's framing not counted), and
@@ -56,6 +69,7 @@ interface counters measure the bytes that really crossed nodes.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 from collections.abc import Hashable
@@ -189,5 +203,74 @@ def _powersgd_elements(shape: tuple[int, ...], rank: int) -> int:
     return (rows + cols) * r if 2 * (rows + cols) * r < size else size
 
 
+class Horovod(algorithms.Algorithm):
+    """Horovod's ``DistributedOptimizer`` behind the algorithm interface (module docstring).
+
+    Args:
+        model, optimizer, comm, broadcast_init, validate: see :class:`~algorithms.base.Algorithm`.
+        compression: None or "none", or "fp16" (``hvd.Compression.fp16``).
+
+    Attributes:
+        optimizer: Horovod's distributed optimizer wrapping the given one (its
+            ``step()`` waits for the gradients' all-reduces, then updates).
+    """
+
+    name = "horovod"
+
+    def __init__(
+        self, model: Any, optimizer: Any, comm: MPI.Comm | None = None, *, compression: Any = None, **common: Any
+    ) -> None:
+        self.module, self.compression = model, compression
+        super().__init__(model, optimizer, comm, **common)
+
+    def _configure(self) -> Hashable:
+        import torch
+
+        if not isinstance(self.flat.params, torch.Tensor):
+            raise ArgumentError("horovod trains torch models only (use --backend torch)")
+        name = (self.compression or "none").strip().lower() if isinstance(self.compression, (str, type(None))) else ""
+        if name not in ("none", "fp16"):
+            raise ArgumentError(
+                f"horovod compresses with hvd.Compression.fp16 only: compression fp16, not {self.compression!r}"
+            )
+        if importlib.util.find_spec("horovod") is None:
+            raise ArgumentError("horovod is not installed (jobs/peers/horovod.sh builds it for this torch and MPI)")
+        self._fp16 = name == "fp16"
+        return (name,)
+
+    def _start(self) -> None:
+        import horovod.torch as hvd
+
+        hvd.init(comm=self.comm)
+        compression = hvd.Compression.fp16 if self._fp16 else hvd.Compression.none
+        self.optimizer = hvd.DistributedOptimizer(
+            self.optimizer, named_parameters=self.module.named_parameters(), compression=compression, op=hvd.Average
+        )
+        self._per_step = 2 * (self.size - 1) * self.flat.nbytes // self.size // (2 if self._fp16 else 1)
+
+    def zero_grad(self) -> None:
+        """``optimizer.zero_grad()`` (torch's default: the gradients set to None), as a
+        Horovod script does: backward then writes fresh gradients, which Horovod
+        all-reduces in place (with fp16, it replaces their storage with the decompressed
+        average), so they never alias the flat gradient buffer."""
+        self.optimizer.zero_grad()
+
+    def _collect_grads(self) -> None:
+        """Nothing: the gradients stay Horovod's (:meth:`zero_grad`), some still in flight
+        until its optimizer's ``step()``."""
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        self.bytes_sent += self._per_step
+
+    def close(self) -> None:
+        """Shut Horovod down (collective; a later run may init it again)."""
+        if not self.closed:
+            import horovod.torch as hvd
+
+            hvd.shutdown()
+        super().close()
+
+
 #: The peers by their ``--algorithm`` name.
-PEERS: dict[str, type[algorithms.Algorithm]] = {"ddp": DDP}
+PEERS: dict[str, type[algorithms.Algorithm]] = {"ddp": DDP, "horovod": Horovod}

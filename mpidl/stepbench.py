@@ -15,7 +15,11 @@ in several ways, each on its own copy of the model (same seed):
   with the averaging run during forward and backward (:mod:`algorithms.dpsgd`);
 * ``ddp``: PyTorch DistributedDataParallel over gloo with its defaults
   (25 MiB buckets, overlapped), the process group joined from the MPI ranks
-  (:mod:`mpidl.torchdist`).
+  (:mod:`mpidl.torchdist`);
+* ``horovod`` (asked for by name, where Horovod is installed): Horovod's
+  ``DistributedOptimizer`` over MPI with its defaults (:class:`mpidl.peers.Horovod`);
+  its background thread runs from set-up to the end, while the other
+  candidates are timed too.
 
 Timing, as ``mpidl bench`` does it: after warm-up steps, every repetition
 times a batch of ``--steps`` steps of each candidate in turn (so the slow
@@ -53,10 +57,12 @@ import collectives
 from algorithms.buckets import DEFAULT_BUCKET_MB
 from algorithms.topology import TOPOLOGIES
 
-from . import models, torchdist
+from . import models, peers, torchdist
 
 #: The candidates, in the order of the table.
-CANDIDATES = ("local", "comm", "allreduce", "allreduce+overlap", "dpsgd", "dpsgd+overlap", "ddp")
+CANDIDATES = ("local", "comm", "allreduce", "allreduce+overlap", "dpsgd", "dpsgd+overlap", "ddp", "horovod")
+#: The candidates timed when none are named (Horovod, an optional peer, only by name).
+DEFAULT_CANDIDATES = CANDIDATES[:-1]
 #: The phases of a step, timed separately.
 PHASES = ("zero", "forward", "backward", "step")
 
@@ -117,8 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default="ring", choices=list(TOPOLOGIES), help="D-PSGD's graph (default ring)")
     p.add_argument(
         "--candidates",
-        default=",".join(CANDIDATES),
-        help=f"comma-separated subset of {','.join(CANDIDATES)} (default all)",
+        default=",".join(DEFAULT_CANDIDATES),
+        help=f"comma-separated subset of {','.join(CANDIDATES)} (default all but horovod)",
     )
     p.add_argument("--steps", type=int, default=10, help="steps per timed batch (default 10)")
     p.add_argument("--repeat", type=int, default=7, help="timed batches per candidate (median reported; default 7)")
@@ -249,6 +255,10 @@ def _candidate(
         wrapper = DistributedDataParallel(module, device_ids=[net.device.index] if on_gpu else None)
         closers.append(torchdist.destroy_process_group)
         return _training_step(wrapper, x, y, opt.zero_grad, opt.step, sync)
+    if name == "horovod":
+        peer = peers.Horovod(module, opt, comm)
+        closers.append(peer.close)
+        return _training_step(module, x, y, peer.zero_grad, peer.step, sync)
     kind, _, overlap = name.partition("+")
     options: dict[str, Any] = {"topology": args.topology}
     if kind == "allreduce":

@@ -173,7 +173,7 @@ ALGORITHM_OPTIONS = (
         f"compress what is sent: NAME[:PARAM] of {', '.join(collectives.COMPRESSORS)}, e.g. fp16, qsgd:127, "
         "sign, topk:0.01, powersgd:4 (default none), then @allgather or @reduce_scatter to choose how "
         "sign, qsgd and the casts are aggregated; allreduce: every gradient bucket; lsgd: among the "
-        "groups; dpsgd: CHOCO-SGD's gossip; ddp: its powersgd:R and fp16 hooks",
+        "groups; dpsgd: CHOCO-SGD's gossip; ddp: its powersgd:R and fp16 hooks; horovod: fp16",
         metavar="NAME[:PARAM][@AGG]",
     ),
     AlgorithmOption(
@@ -272,8 +272,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--algorithm",
         default=defaults.algorithm,
         choices=[*algorithms.ALGORITHMS, *peers.PEERS],
-        help=f"training algorithm, or a peer in the same harness (ddp: PyTorch DDP over gloo; "
-        f"default {defaults.algorithm})",
+        help=f"training algorithm, or a peer in the same harness (ddp: PyTorch DDP over gloo; horovod: "
+        f"Horovod's DistributedOptimizer over MPI, where installed; default {defaults.algorithm})",
     )
     for opt in ALGORITHM_OPTIONS:
         g.add_argument(
@@ -516,6 +516,8 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
     if isinstance(algo, peers.DDP):
         assert isinstance(net, TorchModel), "DDP refuses other models"
         net.forward_module = algo.forward_module  # the forward pass goes through the DDP wrapper
+    if isinstance(algo, peers.Horovod):
+        net.optimizer = algo.optimizer  # Horovod's optimizer keeps the momentum (checkpoints)
     budget = pacing.StepBudget(comm, comm.Get_size() * steps) if algo.uneven_steps else None
     try:
         run = _Run(config, dataset, net, algo, steps, threads, budget)

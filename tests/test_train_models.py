@@ -22,6 +22,7 @@ pytestmark = [
 ]
 
 QUICK = ["--epochs", "2", "--no-progress"]
+HOROVOD = importlib.util.find_spec("horovod") is not None
 
 
 def _write_idx(path: Path, array: np.ndarray) -> None:
@@ -119,10 +120,45 @@ def test_ddp_takes_the_steps_of_allreduce_sgd(tmp_path_factory: pytest.TempPathF
         assert theirs["bytes_per_step_mean"] == mine["bytes_per_step_mean"]  # 2 (n-1)/n x model on 2 ranks
 
 
+@pytest.mark.skipif(not HOROVOD, reason="Horovod is not installed (jobs/peers/horovod.sh builds it)")
+def test_horovod_takes_the_steps_of_allreduce_sgd(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The other peer: Horovod's DistributedOptimizer over MPI averages the same gradients as
+    AllReduce-SGD (to the rounding of another summation order); with fp16 it sends half."""
+    out = tmp_path_factory.mktemp("horovod")
+    runs = {}
+    for name, argv in {
+        "allreduce": ["--algorithm", "allreduce"],
+        "horovod": ["--algorithm", "horovod"],
+        "horovod+fp16": ["--algorithm", "horovod", "--compression", "fp16"],
+    }.items():
+        path = out / f"{name}.json"
+        rc, _stdout, stderr = train(2, *argv, "--backend", "torch", "--hidden", "32", "--json", str(path), *QUICK)
+        assert rc == 0, stderr
+        runs[name] = read(path)
+    assert runs["horovod"]["meta"]["algorithm"] == "horovod"
+    epochs = zip(runs["allreduce"]["epochs"], runs["horovod"]["epochs"], runs["horovod+fp16"]["epochs"])
+    for mine, theirs, half in epochs:
+        assert theirs["train_loss"] == pytest.approx(mine["train_loss"], rel=1e-4)
+        assert abs(theirs["test_acc"] - mine["test_acc"]) <= 1 / 360 and theirs["consensus"] == 0
+        assert half["train_loss"] == pytest.approx(mine["train_loss"], rel=1e-2) and half["consensus"] == 0
+        assert theirs["bytes_per_step_mean"] == mine["bytes_per_step_mean"] == 2 * half["bytes_per_step_mean"]
+
+
+@pytest.mark.skipif(HOROVOD, reason="Horovod is installed")
+def test_horovod_missing_is_reported_once() -> None:
+    rc, _stdout, stderr = train(2, "--algorithm", "horovod", "--backend", "torch", "--no-progress")
+    message = "horovod is not installed (jobs/peers/horovod.sh builds it for this torch and MPI)"
+    assert rc == 2 and stderr.count(message) == 1 and "Traceback" not in stderr, stderr
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
         (["--algorithm", "ddp", "--backend", "numpy"], "ddp trains torch models only (use --backend torch)"),
+        (
+            ["--algorithm", "horovod", "--compression", "powersgd:4"],
+            "horovod compresses with hvd.Compression.fp16 only: compression fp16, not 'powersgd:4'",
+        ),
         (["--model", "lenet", "--backend", "numpy"], "the lenet model needs the torch backend"),
         (["--model", "lenet"], "LeNet-5 needs images of at least 12x12, the dataset's are 8x8"),
         (["--train-samples", "5000"], "digits has 1437 train samples; cannot take 5000"),

@@ -30,15 +30,16 @@ rate and algorithm:
   1: later; ``-``: never);
 * ``final acc``: the averaged model's final test accuracy;
 * ``B/step``: payload bytes each worker sent per step (mpidl's transport, exact;
-  DDP: gloo's ring payload, an estimate); ``across/step``: the part sent to
-  the other node, counted by destination (DDP: not counted, ``-``);
+  the peers DDP and Horovod: their ring payload, an estimate); ``across/step``:
+  the part sent to the other node, counted by destination (peers: not
+  counted, ``-``);
 * ``link/step``: the bytes the nodes sent over their links (interface
   counters: all traffic of the run, TCP/IP headers, the set-up and the
   evaluations included) per step of one worker — what the links really
-  carried, DDP's included;
+  carried, the peers' included;
 * ``wait``: the share of the workers' training time their steps spent
-  communicating or waiting (mpidl's algorithms; DDP's communication hides in
-  the backward pass and is not measured).
+  communicating or waiting (mpidl's algorithms; the peers' communication
+  hides in the backward pass and is not measured).
 
 Plots (``--plot``): for each model, test accuracy against training time, one
 panel per link rate, one curve per algorithm (``plots/MODEL.png``).
@@ -116,6 +117,9 @@ MODELS = {
     )
 }
 
+#: The peers' ``--algorithm`` names: their traffic is not mpidl's transport's to count.
+PEERS = ("ddp", "horovod")
+
 #: The algorithms: name in the table -> mpidl train options.
 ALGORITHMS = {
     "allreduce": ("--algorithm", "allreduce"),
@@ -129,6 +133,7 @@ ALGORITHMS = {
     "adpsgd": ("--algorithm", "adpsgd"),
     "prague": ("--algorithm", "prague"),
     "ddp": ("--algorithm", "ddp"),
+    "horovod": ("--algorithm", "horovod"),
     "allreduce+fp16": ("--algorithm", "allreduce", "--compression", "fp16"),
     "allreduce+qsgd:127": ("--algorithm", "allreduce", "--compression", "qsgd:127"),
     "allreduce+sign": ("--algorithm", "allreduce", "--compression", "sign"),
@@ -146,6 +151,7 @@ ALGORITHMS = {
     "allreduce+powersgd:4": ("--algorithm", "allreduce", "--compression", "powersgd:4"),
     "dpsgd+qsgd:127": ("--algorithm", "dpsgd", "--compression", "qsgd:127"),
     "ddp+powersgd:4": ("--algorithm", "ddp", "--compression", "powersgd:4"),
+    "horovod+fp16": ("--algorithm", "horovod", "--compression", "fp16"),
 }
 
 RATES = ("unshaped", "10gbit", "1gbit", "100mbit")
@@ -239,15 +245,15 @@ def summarize(run: dict[str, Any], target: float) -> dict[str, Any]:
     steps = sum(e["steps"] for e in epochs)
     workers = last["workers"]
     wait = sum(workers["comm_wait_s"]) / max(sum(workers["time_s"]), 1e-9)
-    ddp = run["meta"]["algorithm"] == "ddp"
+    peer = run["meta"]["algorithm"] in PEERS
     return {
         "epoch_s": statistics.median(e["epoch_s"] for e in epochs),
         "to_target_s": time_to(epochs, target),
         "final_acc": last["test_acc"],
         "bytes_per_step": last["bytes_per_step_mean"],
-        "across_per_step": None if ddp else last["internode_bytes_per_step_mean"],
+        "across_per_step": None if peer else last["internode_bytes_per_step_mean"],
         "link_per_step": run["sweep"]["link_bytes"] / max(steps, 1),
-        "wait": None if ddp else wait,
+        "wait": None if peer else wait,
         "time_s": last["time_s"],
     }
 
@@ -356,7 +362,7 @@ def plot(out: Path, runs: dict[tuple[str, str, str], list[dict[str, Any]]], rate
                 run = runs[(model, rate, algo)][0]
                 t = [e["time_s"] for e in run["epochs"]]
                 acc = [100 * e["test_acc"] for e in run["epochs"]]
-                style = "-" if algo.startswith(("allreduce", "ddp")) else "--"
+                style = "-" if algo.startswith(("allreduce", *PEERS)) else "--"
                 ax.plot(t, acc, style, marker=".", color=colors.get(algo), label=algo)
             ax.axhline(100 * MODELS[model].target, color="grey", linewidth=0.6)
             ax.set_title(f"{model}, {rate}")

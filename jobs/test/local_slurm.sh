@@ -558,12 +558,12 @@ echo "$WORK" >"$STATE_DIR/workdir"   # for the next run, should this one be kill
 chmod 755 "$WORK"   # munged (user munge) needs to reach its directory inside
 log "work directory $WORK"
 make_venv
-# train_all expects a result from every algorithm mpidl train offers but the DDP
-# peer (torch models only; train_all leaves it out for numpy). It trains the numpy model: four ranks importing torch once per algorithm take most of the
+# train_all expects a result from every algorithm mpidl train offers but the peers
+# DDP and Horovod (torch models only; train_all leaves them out for numpy). It trains the numpy model: four ranks importing torch once per algorithm take most of the
 # time on a small machine (the other training jobs use torch).
 NUMPY="TRAIN_OPTIONS=--backend=numpy"
 TRAIN_ALL=('re:^# MLP .*, numpy on cpu')
-for a in $TRAIN_ALGORITHMS; do [[ $a == ddp ]] || TRAIN_ALL+=("json:train-$a.json"); done  # ddp: torch only
+for a in $TRAIN_ALGORITHMS; do [[ $a == ddp || $a == horovod ]] || TRAIN_ALL+=("json:train-$a.json"); done  # peers: torch only
 start_munge
 printf 'localhost:2\n127.0.0.1:2\n' >"$WORK/hostfile"   # two "hosts" for hydra, neither over ssh
 
