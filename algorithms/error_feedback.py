@@ -77,7 +77,7 @@ class ErrorFeedback:
         self.compressor = collectives.compressor(compressor, **options)
         self.enabled = self.compressor.feedback if enabled is None else bool(enabled)
         self.residual = zeros_like(like) if self.enabled else None
-        second = self.enabled and self.compressor.aggregation == "reduce_scatter"
+        second = self.enabled and self.compressor.aggregation in ("reduce_scatter", "hierarchical")
         self.server = zeros_like(like) if second else None
         self._flat = as_flat(self.residual) if self.residual is not None else None
 

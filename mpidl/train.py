@@ -171,9 +171,10 @@ ALGORITHM_OPTIONS = (
         "--compression",
         "compression",
         f"compress what is sent: NAME[:PARAM] of {', '.join(collectives.COMPRESSORS)}, e.g. fp16, qsgd:127, "
-        "sign, topk:0.01, powersgd:4 (default none), then @allgather or @reduce_scatter to choose how "
-        "sign, qsgd and the casts are aggregated; allreduce: every gradient bucket; lsgd: among the "
-        "groups; dpsgd: CHOCO-SGD's gossip; ddp: its powersgd:R and fp16 hooks; horovod: fp16",
+        "sign, topk:0.01, powersgd:4 (default none), then @allgather, @reduce_scatter or @hierarchical "
+        "(exact inside a node, compressed across) to choose how sign, qsgd and the casts are aggregated; "
+        "allreduce: every gradient bucket; lsgd: among the groups; dpsgd: CHOCO-SGD's gossip; "
+        "ddp: its powersgd:R and fp16 hooks; horovod: fp16",
         metavar="NAME[:PARAM][@AGG]",
     ),
     AlgorithmOption(

@@ -19,7 +19,7 @@ from collectives.compression.aggregate import chunks
 from collectives.compression.timing import mlp_shapes
 from collectives.transport import gpu
 from collectives.transport.chunks import chunk_bounds
-from collectives.transport.p2p import bytes_sent
+from collectives.transport.p2p import bytes_by_peer, bytes_sent
 
 pytestmark = pytest.mark.mpi
 
@@ -133,6 +133,39 @@ def test_bytes_per_step_against_the_ring_allreduce(spec: str, options: dict, mos
         assert total == 2 * (n - 1) * 2 * d
 
 
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "qsgd:127", "sign"])
+def test_hierarchical_sends_the_compressed_slices_across_nodes(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes of two ranks (``MPIDL_RANKS_PER_NODE=2``; one node at n = 2, nodes of different
+    sizes at n = 3, where it is reduce_scatter): every rank ends with the same bits; the
+    bytes to other nodes are each rank's reduce-scatter of its slice among the k nodes;
+    fp16's result is the one the module docstring describes, bit for bit."""
+    monkeypatch.setenv("MPIDL_RANKS_PER_NODE", "2")
+    comm, n, r = WORLD, WORLD.Get_size(), WORLD.Get_rank()
+    d = 64 * 512 + 77
+    c = compression.create(f"{spec}@hierarchical")
+    inputs = [np.random.default_rng(i).standard_normal(d, dtype=np.float32) * (i + 1) for i in range(n)]
+    x = inputs[r].copy()
+    c.allreduce(x.copy(), comm, algorithm="ring")  # first use: communicators, memory
+    peers_before = dict(bytes_by_peer())
+    c.allreduce(x, comm, "avg", algorithm="ring", validate=False)
+    sent = {p: b - peers_before.get(p, 0) for p, b in bytes_by_peer().items()}
+    ok = spread(comm, x) == 0
+    k, q = -(-n // 2), 2
+    across = sum(b for p, b in sent.items() if p >= 0 and p // q != r // q)
+    if n % 2 == 0 and n >= 4:
+        slices, _ = chunks(c, d, q, np.dtype(np.float32))
+        mine = slices[r % q + 1] - slices[r % q]
+        ok &= across == expected_bytes(compression.create(spec, aggregation="reduce_scatter"), mine, k, r // q)
+    if spec == "fp16" and n % 2 == 0 and n >= 4:
+
+        def fp16(v: np.ndarray) -> np.ndarray:
+            return v.astype(np.float16).astype(np.float32)
+
+        nodes = [(inputs[2 * a] + inputs[2 * a + 1]) / np.float32(n) for a in range(k)]
+        ok &= bool(np.array_equal(x, fp16(sum(fp16(v) for v in nodes))))
+    assert all_ok(comm, ok), (across, sent)
+
+
 def test_the_ring_formula_is_the_ring() -> None:
     comm, n, r = WORLD, WORLD.Get_size(), WORLD.Get_rank()
     for length in (1, 7, 1000):
@@ -157,11 +190,14 @@ def build(spec: str, length: int, **options) -> compression.Compressor:
     "spec, aggregation",
     [(s, a) for s in SPECS for a in compression.COMPRESSORS[s.partition(":")[0]].aggregations],
 )
-def test_error_feedback_conserves_the_signal(spec: str, aggregation: str) -> None:
+def test_error_feedback_conserves_the_signal(spec: str, aggregation: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Summed over steps and ranks, what the aggregates applied plus the final residuals
     (and n times the server memories of the reduce-scatter compressors) is the sum of the
     gradients (float64, to a few rounding errors per term); the memory is split into two
-    buckets of one gradient (``offset=``)."""
+    buckets of one gradient (``offset=``). ``hierarchical`` runs on nodes of two ranks
+    (``MPIDL_RANKS_PER_NODE=2``: two nodes at n = 4)."""
+    if aggregation == "hierarchical":
+        monkeypatch.setenv("MPIDL_RANKS_PER_NODE", "2")
     comm, n, r = WORLD, WORLD.Get_size(), WORLD.Get_rank()
     d, steps, half = 700, 12, 300
     c = build(spec, d, aggregation=aggregation)
@@ -179,7 +215,7 @@ def test_error_feedback_conserves_the_signal(spec: str, aggregation: str) -> Non
             ef.allreduce(grads[half:], comm, offset=half, algorithm="ring")
         applied += grads
         magnitude += (np.abs(g) + n * np.abs(grads)) / getattr(c, "ratio", 1)  # random-k scales by d/k
-    assert ef.residual is not None and (ef.server is not None) == (c.aggregation == "reduce_scatter")
+    assert ef.residual is not None and (ef.server is not None) == (c.aggregation in ("reduce_scatter", "hierarchical"))
     server = np.zeros(d) if ef.server is None else ef.server
     total = comm.allreduce(given)
     kept = n * applied + comm.allreduce(ef.residual) + n * comm.allreduce(server)

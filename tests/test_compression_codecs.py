@@ -86,9 +86,9 @@ def test_registry_names_every_compressor_and_specs_round_trip() -> None:
         ("powersgd:1", {"shapes": [(0, 4)]}, "entry 0 must be (offset, shape)"),
         ("topk:0.1", {"aggregation": "reduce_scatter"}, "aggregates by allgather, not 'reduce_scatter'"),
         ("topk:0.1@reduce_scatter", {}, "aggregates by allgather, not 'reduce_scatter'"),
-        ("sign@ring", {}, "aggregates by reduce_scatter or allgather, not 'ring'"),
+        ("sign@ring", {}, "aggregates by reduce_scatter, allgather or hierarchical, not 'ring'"),
         ("sign@allgather", {"aggregation": "reduce_scatter"}, "aggregation='reduce_scatter' disagrees"),
-        ("fp16", {"aggregation": "allreduce"}, "aggregates by reduce_scatter or allgather"),
+        ("fp16", {"aggregation": "allreduce"}, "aggregates by reduce_scatter, allgather or hierarchical"),
         ("fp16", {"bucket": 4}, "unexpected keyword argument 'bucket'"),
     ],
 )

@@ -41,7 +41,31 @@ vector of d elements, and a payload of P bytes:
    step's second encoding (see :mod:`.base`); with one rank the vector is
    encoded once.
 
-Both take the codec's methods (:class:`Codec`).
+``hierarchical`` (:func:`hierarchical`), the reduce-scatter across nodes only,
+for k nodes of q ranks each (the layout of :func:`collectives.topology.layout.layout`:
+detected, or ``MPIDL_RANKS_PER_NODE``):
+
+1. exact all-reduce (sum) of the vector inside each node (``shm`` where the
+   node's ranks share memory, else ``ring``); for ``avg`` the node sum is
+   divided by n;
+2. the vector is cut into q slices on bucket boundaries; local rank i runs
+   ``reduce_scatter`` (above, ``sum``) of slice i of its node's sum with local
+   rank i of every other node, k ranks (the second encoding's server memory
+   and error as there);
+3. each rank zeroes the other slices and the node all-reduces again (exact:
+   every element is one slice's value plus zeros), so every rank of every
+   node holds every slice, bitwise identical.
+
+   Cost across the links: each rank sends 2 (k-1)/k P/q bytes to other nodes
+   (the node 2 (k-1)/k P), against 2 (n-1)/n P less what stays inside the
+   node for ``reduce_scatter``, whose pairs do not know the nodes; inside a
+   node, two uncompressed all-reduces. The node's sum is encoded once, by the
+   rank of its slice, so this rank's residual holds that encoding's error on
+   its slice (times n for ``avg``) and zero elsewhere: summed over the ranks,
+   what the aggregate lost, as for the others. With one node, one rank per
+   node or nodes of different sizes it is ``reduce_scatter``.
+
+Both take the codec's methods (:class:`Codec`); so does ``hierarchical``.
 """
 
 from __future__ import annotations
@@ -51,10 +75,13 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 from mpi4py import MPI
 
+from ..api import allreduce
 from ..kernels.ring import allgather
+from ..topology.hierarchy import grid_comms
+from ..topology.layout import detected, layout
 from ..transport.buffers import array_module
 from ..transport.chunks import chunk_bounds
-from ..transport.context import Context
+from ..transport.context import Context, context
 from ..transport.p2p import sendrecv
 from ..transport.scratch import scratch
 from .memory import ACCUMULATOR, PAYLOAD, RECEIVED, TABLE
@@ -145,6 +172,37 @@ def scatter(codec: Codec, x: Any, residual: Any, call: Call) -> None:
             xp.multiply(acc, n, out=acc)
         own = residual[elems[r] : elems[r + 1]]
         xp.add(own, acc, out=own)
+
+
+def hierarchical(codec: Codec, x: Any, residual: Any, call: Call) -> None:
+    """Replace ``x`` by the sum (avg: mean) of the nodes' encoded sums, by exact
+    all-reduces inside the nodes and :func:`scatter` across them (module docstring);
+    ``residual`` (or None) gets this rank's share of what the aggregate lost."""
+    lay = layout(call.comm)
+    q = lay.ranks_per_node[0]
+    if lay.nodes == 1 or q == 1 or len(set(lay.ranks_per_node)) > 1:
+        scatter(codec, x, residual, call)
+        return
+    xp, n = array_module(x), call.ctx.size
+    row, col = grid_comms(call.ctx, (q, lay.nodes), lay)
+    inside = "shm" if detected(context(row)).nodes == 1 else "ring"
+    allreduce(x, row, "sum", inside, validate=False)
+    if call.op == "avg":
+        xp.divide(x, n, out=x)
+    elems, _ = chunks(codec, x.shape[0], q, x.dtype)
+    i = row.Get_rank()
+    lo, hi = elems[i], elems[i + 1]
+    server = None if call.server is None else call.server[lo:hi]
+    part = None if residual is None else residual[lo:hi]
+    scatter(codec, x[lo:hi], part, Call(col, context(col), "sum", call.algorithm, server))
+    if residual is not None:
+        residual[:lo] = 0
+        residual[hi:] = 0
+        if call.op == "avg":
+            xp.multiply(part, n, out=part)
+    x[:lo] = 0
+    x[hi:] = 0
+    allreduce(x, row, "sum", inside, validate=False)
 
 
 def chunks(codec: Codec, length: int, n: int, dtype: np.dtype) -> tuple[list[int], list[int]]:

@@ -162,9 +162,9 @@ class Compressor(ABC):
     def __init__(self, *, aggregation: str | None = None, seed: int = 0) -> None:
         chosen = self.aggregations[0] if aggregation is None else aggregation
         if chosen not in self.aggregations:
-            raise ArgumentError(
-                f"compressor {self.name!r} aggregates by {' or '.join(self.aggregations)}, not {aggregation!r}"
-            )
+            *others, last = self.aggregations
+            ways = f"{', '.join(others)} or {last}" if others else last
+            raise ArgumentError(f"compressor {self.name!r} aggregates by {ways}, not {aggregation!r}")
         self.aggregation = chosen
         self.seed = int(seed)
         self.spec = self.name
@@ -327,7 +327,8 @@ class Compressor(ABC):
 
     def _aggregate(self, x: Any, residual: Any, call: Call) -> None:
         """Replace ``x`` (work precision) by the aggregate; write the residual if asked."""
-        (aggregate.gather if self.aggregation == "allgather" else aggregate.scatter)(self, x, residual, call)
+        aggregations = {"allgather": aggregate.gather, "hierarchical": aggregate.hierarchical}
+        aggregations.get(self.aggregation, aggregate.scatter)(self, x, residual, call)
 
     def _check(self, flat: FlatBuffer) -> None:
         """Raise ArgumentError if this compressor cannot take ``flat`` (beyond the common checks)."""

@@ -37,7 +37,7 @@ from .base import Compressor
 class Cast(Compressor):
     """Cast to a 16-bit float (module docstring)."""
 
-    aggregations = ("reduce_scatter", "allgather")
+    aggregations = ("reduce_scatter", "allgather", "hierarchical")
     #: The 16-bit type sent, a name :mod:`collectives.transport.ops` knows.
     half: ClassVar[str]
 

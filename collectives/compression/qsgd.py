@@ -56,7 +56,7 @@ class QSGD(Compressor):
     name = "qsgd"
     param = ("levels", int)
     unbiased = True
-    aggregations = ("reduce_scatter", "allgather")
+    aggregations = ("reduce_scatter", "allgather", "hierarchical")
 
     def __init__(self, levels: int = 127, *, bucket: int = 512, **options: Any) -> None:
         super().__init__(**options)

@@ -52,7 +52,7 @@ class Sign(Compressor):
 
     name = "sign"
     feedback = True
-    aggregations = ("reduce_scatter", "allgather")
+    aggregations = ("reduce_scatter", "allgather", "hierarchical")
 
     def __init__(self, *, bucket: int = 512, **options: Any) -> None:
         super().__init__(**options)

@@ -152,6 +152,8 @@ ALGORITHMS = {
     "dpsgd+qsgd:127": ("--algorithm", "dpsgd", "--compression", "qsgd:127"),
     "ddp+powersgd:4": ("--algorithm", "ddp", "--compression", "powersgd:4"),
     "horovod+fp16": ("--algorithm", "horovod", "--compression", "fp16"),
+    "allreduce+fp16@hierarchical": ("--algorithm", "allreduce", "--compression", "fp16@hierarchical"),
+    "allreduce+qsgd:127@hierarchical": ("--algorithm", "allreduce", "--compression", "qsgd:127@hierarchical"),
 }
 
 RATES = ("unshaped", "10gbit", "1gbit", "100mbit")
