@@ -9,7 +9,7 @@
 #     refuses a second up, checks again, and changes the rate to 100 Mbit/s
 #     and back (shape, checked each time);
 #  3. runs on 2 nodes x 2 ranks: `mpidl info` (must report 2 nodes, 2 ranks
-#     each) and a short `mpidl train` with every algorithm and the DDP peer
+#     each) and a short `mpidl train` with every algorithm and the peers (DDP; Horovod where installed)
 #     (each must finish with a test accuracy);
 #  4. takes the cluster down and looks, independently of cluster.py, for
 #     anything left: namespaces, links, /etc/netns entries, the record;
@@ -81,7 +81,9 @@ step "mpidl info on 2 nodes x 2 ranks"
 on_cluster -n 2 -- mpidl info
 grep -E '^nodes +2$' <<<"$out" >/dev/null || fail "mpidl info does not report 2 nodes"
 grep -E '^ranks per node +2 2$' <<<"$out" >/dev/null || fail "mpidl info does not report 2 ranks per node"
-for algorithm in allreduce dpsgd lsgd adpsgd grsgd prague ddp; do
+peers=ddp
+if python3 -c "import horovod.torch" 2>/dev/null; then peers="ddp horovod"; fi
+for algorithm in allreduce dpsgd lsgd adpsgd grsgd prague $peers; do
     step "mpidl train --algorithm $algorithm on 2 nodes x 2 ranks"
     on_cluster -n 2 -- mpidl train --algorithm "$algorithm" --dataset digits --hidden 16 --epochs 1 --no-progress
     grep '^final: test accuracy' <<<"$out" >/dev/null || fail "mpidl train $algorithm printed no final accuracy"
