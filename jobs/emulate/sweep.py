@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import shlex
@@ -407,6 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compressed": ["allreduce", "dpsgd", "ddp", *(a for a in ALGORITHMS if "+" in a)],
     }
     algos = groups.get(args.algorithms) or args.algorithms.split(",")
+    if args.algorithms in groups and importlib.util.find_spec("horovod") is None:
+        algos = [a for a in algos if not a.startswith("horovod")]
+        print("sweep: the horovod rows left out: Horovod is not installed (jobs/peers/horovod.sh)", flush=True)
     extra: list[str] = []
     if args.quick:
         rates, extra = ["unshaped", "1gbit"], ["--epochs", "2"]
