@@ -6,6 +6,7 @@ nothing hangs."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -389,3 +390,14 @@ def test_step_bench_times_every_candidate(tmp_path_factory: pytest.TempPathFacto
     assert data["meta"]["model"] == "MLP 64-32-10" and data["meta"]["ranks"] == 2 and data["meta"]["device"] == "cpu"
     assert data["meta"]["buckets"] == [4 * (10 + 320 + 32), 4 * 2048]  # 0.005 MiB: 1310 floats at most
     assert "vs local" in proc.stdout and "local + comm" in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="Horovod is not installed")
+def test_step_bench_times_horovod_by_name(tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tmp_path_factory.mktemp("stepbench") / "horovod.json"
+    args = ["--hidden", "32", "--steps", "2", "--repeat", "2", "--warmup", "1", "--candidates", "local,horovod"]
+    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "step-bench", *args, "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    data = on_rank0_quietly(lambda: json.loads(out.read_text()))
+    assert [r["name"] for r in data["results"]] == ["local", "horovod"]
+    assert all(r["time"] > 0 and len(r["samples"]) == 2 for r in data["results"])
