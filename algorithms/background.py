@@ -8,7 +8,9 @@ thread uses (MPI must provide ``MPI_THREAD_MULTIPLE``, mpi4py's default).
 Each result carries the payload bytes the task sent
 (:func:`collectives.transport.p2p.bytes_sent` counts per thread). A thread
 whose tasks touch device buffers makes their device current when it starts
-(``device``; :func:`collectives.transport.gpu.use_device`).
+(``device``; :func:`collectives.transport.gpu.use_device`). The thread's
+waits poll (:func:`collectives.transport.p2p.poll_waits`): a blocking MPI
+wait busy-waits on a core the computation needs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from mpi4py import MPI
 from collectives.topology.layout import detected
 from collectives.transport.context import context
 from collectives.transport.gpu import use_device
-from collectives.transport.p2p import bytes_sent, prompt_threads
+from collectives.transport.p2p import bytes_sent, poll_waits, prompt_threads
 
 _STOP = object()
 
@@ -67,6 +69,7 @@ class Background:
 
     def _run(self, device: int | None) -> None:
         failed: BaseException | None = None
+        poll_waits()
         try:
             use_device(device)
         except BaseException as exc:  # every task fails with it: result() raises, never waits

@@ -56,6 +56,48 @@ def same_everywhere(comm: MPI.Comm, t: torch.Tensor) -> bool:
     return len({v.tobytes() for v in comm.allgather(t.detach().numpy())}) == 1
 
 
+# --- service threads ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_service_thread_waits_without_spinning() -> None:
+    """A blocking MPI wait busy-waits on a core the computation needs: a service thread's
+    transfers (here an all-reduce and a receive, their peer 0.4 s late) poll instead and
+    cost it a small part of the wait in CPU time, with the right sums."""
+    import time
+
+    from algorithms.background import Background
+    from collectives.transport import p2p
+
+    comm = comm_of_size(2)
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    late = comm.rank == 1
+    data = np.arange(5, dtype=np.int64) + 10 * comm.rank
+    context(comm)  # set up on first use, with blocking collectives, as the algorithms do at construction
+
+    def task() -> tuple[float, float, np.ndarray, np.ndarray]:
+        got = np.zeros(3, dtype=np.int64)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        if late:
+            time.sleep(0.4)
+        collectives.allreduce(data, comm, "sum", "ring", validate=False)
+        if late:
+            time.sleep(0.4)
+            p2p.send(comm, np.array([7, 8, 9], dtype=np.int64), 0)
+        else:
+            p2p.recv(comm, got, 1)
+        return time.perf_counter() - t0, time.thread_time() - c0, data.copy(), got
+
+    service = Background("test-service")
+    service.submit(task)
+    (wall, cpu, summed, got), _ = service.result()
+    service.close()
+    ok = np.array_equal(summed, 2 * np.arange(5) + 10) and (late or got.tolist() == [7, 8, 9])
+    ok = ok and (late or (wall >= 0.7 and cpu < 0.2 * wall))
+    assert all_ok(comm, ok), (wall, cpu, summed, got)
+
+
 # --- the bucket plan and the launch order -----------------------------------------------
 
 

@@ -14,14 +14,20 @@ a transport may return its own handle, e.g. one that copies a staged receive
 to the device when it completes). The buffer of a pending transfer must not be
 touched until it has completed.
 
-Threads that wait for a peer while the process computes (the asynchronous
-algorithms' service threads) poll instead of blocking: a blocking MPI call
-busy-waits and would take a core from the computation. :class:`Backoff`
-spaces their polls. Such a thread also needs the GIL promptly when a message
-comes, while the main thread may be computing in Python: the interpreter
-hands the GIL over only every ``sys.getswitchinterval()`` seconds (5 ms by
-default), which would add up to that to every reply; :func:`prompt_threads`
-lowers the interval, and every service thread calls it when it starts.
+Threads that wait for a peer while the process computes (the service
+threads of :class:`algorithms.background.Background`) poll instead of
+blocking: a blocking MPI call busy-waits and would take a core from the
+computation. Such a thread calls :func:`poll_waits` once, and from then on
+every wait of this module, blocking calls included, tests its transfers with
+:class:`Backoff` sleeps in between (host arrays; a device transport waits its
+own way). Measured on two emulated nodes with 1 Gbit/s links
+(``docs/performance.rst``): an all-reduce of 16.6 MiB kept the machine's
+cores 100 % busy while blocking, 14 % while polling, in the same time.
+Such a thread also needs the GIL promptly when a message comes, while the
+main thread may be computing in Python: the interpreter hands the GIL over
+only every ``sys.getswitchinterval()`` seconds (5 ms by default), which
+would add up to that to every reply; :func:`prompt_threads` lowers the
+interval, and every service thread calls it when it starts.
 
 Every blocking call marks the thread as waiting on its peers for the stall
 inspector (:mod:`collectives.transport.watchdog`). Every payload byte sent
@@ -88,6 +94,7 @@ class _Sent(threading.local):
 
     total = 0
     slot: watchdog.Slot | None = None
+    poll = False  # this thread's waits poll (poll_waits)
 
     def __init__(self) -> None:
         self.by_peer: dict[int, int] = {}
@@ -166,7 +173,9 @@ def sendrecv(comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> No
     _count(world_ranks(comm)[dest], send.nbytes)
     s = watch(comm, (dest, source))
     try:
-        if type(send) is np.ndarray:
+        if type(send) is np.ndarray and _sent.poll:
+            _poll([comm.Irecv([recv, _BYTE], source, TAG), comm.Isend([send, _BYTE], dest, TAG)])
+        elif type(send) is np.ndarray:
             comm.Sendrecv([send, _BYTE], dest, TAG, [recv, _BYTE], source, TAG)
         else:
             DEVICE_TRANSPORTS[type(send)].sendrecv(comm, send, dest, recv, source)
@@ -179,7 +188,9 @@ def send(comm: MPI.Comm, buf: Any, dest: int) -> None:
     _count(world_ranks(comm)[dest], buf.nbytes)
     s = watch(comm, (dest,))
     try:
-        if type(buf) is np.ndarray:
+        if type(buf) is np.ndarray and _sent.poll:
+            _poll([comm.Isend([buf, _BYTE], dest, TAG)])
+        elif type(buf) is np.ndarray:
             comm.Send([buf, _BYTE], dest, TAG)
         else:
             DEVICE_TRANSPORTS[type(buf)].send(comm, buf, dest)
@@ -191,7 +202,9 @@ def recv(comm: MPI.Comm, buf: Any, source: int) -> None:
     """Receive into ``buf`` from ``source`` (blocking)."""
     s = watch(comm, (source,))
     try:
-        if type(buf) is np.ndarray:
+        if type(buf) is np.ndarray and _sent.poll:
+            _poll([comm.Irecv([buf, _BYTE], source, TAG)])
+        elif type(buf) is np.ndarray:
             comm.Recv([buf, _BYTE], source, TAG)
         else:
             DEVICE_TRANSPORTS[type(buf)].recv(comm, buf, source)
@@ -220,18 +233,28 @@ def waitall(
     """Complete every transfer in ``pending`` (all must have been started); ``comm``
     and ``peers`` name them for the stall inspector. ``poll``: test with
     :class:`Backoff` sleeps in between instead of blocking (for a thread that
-    must leave the cores to the computation)."""
+    must leave the cores to the computation; always so after :func:`poll_waits`)."""
     s = watch(comm, peers)
     try:
-        if poll:
-            pending, backoff = list(pending), Backoff()
-            while not test(pending):
-                backoff.sleep()
+        if poll or _sent.poll:
+            _poll(list(pending))
         else:
             for p in pending:
                 p.Wait()
     finally:
         s.since = 0.0
+
+
+def poll_waits() -> None:
+    """Make every later wait of this module on this thread poll (module docstring)."""
+    _sent.poll = True
+
+
+def _poll(pending: Sequence[Pending]) -> None:
+    """Test ``pending`` with :class:`Backoff` sleeps in between until all have completed."""
+    backoff = Backoff()
+    while not test(pending):
+        backoff.sleep()
 
 
 #: Longest GIL switch interval a process with service threads keeps (seconds).
