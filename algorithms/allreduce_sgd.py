@@ -132,8 +132,9 @@ class AllReduceSGD(Algorithm):
             spare (:func:`~algorithms.background.spare_cores`), off otherwise.
             True needs a torch model; numpy models have no backward to
             overlap with.
-        bucket_mb: the largest bucket, in MiB (a larger parameter is a
-            bucket of its own); the same buckets are used with and without
+        bucket_mb: the size in MiB at which a bucket is closed (a bucket
+            exceeds it by less than its last parameter, as DDP's buckets do:
+            :func:`~algorithms.buckets.plan`); the same buckets are used with and without
             overlap. None: :data:`~algorithms.buckets.DEFAULT_BUCKET_MB`, except
             that a compressed gradient without overlap is one bucket (each
             bucket costs a compressor collectives of its own, PowerSGD two

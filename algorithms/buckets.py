@@ -9,10 +9,13 @@ soon as all its gradients have been accumulated, while backward computes the
 rest.
 
 Plan (:func:`plan`): the parameters, in reverse registration order (roughly
-the order in which backward finishes their gradients), are packed greedily
-into buckets of at most ``cap`` elements; a larger parameter is a bucket of
-its own, and a frozen parameter belongs to no bucket and ends the current
-one. The flat gradient (:mod:`algorithms.flat`) holds the gradients one after
+the order in which backward finishes their gradients), fill a bucket until
+it holds ``cap`` elements or more, as DDP fills its buckets: so a bucket
+exceeds the cap by less than its last parameter, and a layer's bias, final
+with its weight, travels with it rather than in a bucket of its own (where
+every bucket costs a latency-bound collective: measured in
+``docs/performance.rst``). A frozen parameter belongs to no bucket and ends
+the current one. The flat gradient (:mod:`algorithms.flat`) holds the gradients one after
 the other in registration order, so every bucket is one contiguous slice
 ``[start, stop)`` of it: a bucket's all-reduce, or a compressor's encoding,
 runs on a view, in place, with nothing packed or unpacked. A numpy model is
@@ -65,12 +68,12 @@ class Bucket:
 
 
 def plan(sizes: Sequence[int], trainable: Sequence[bool], cap: int) -> tuple[Bucket, ...]:
-    """Buckets of at most ``cap`` elements (module docstring), in launch order.
+    """Buckets of ``cap`` elements or more (the last may hold fewer; module docstring), in launch order.
 
     Args:
         sizes: every parameter's element count, in registration order.
         trainable: whether each parameter gets a gradient (frozen ones are in no bucket).
-        cap: the largest bucket, in elements (a larger parameter is a bucket of its own).
+        cap: the size at which a bucket is closed, in elements.
 
     Raises:
         ValueError: ``cap`` < 1, or ``sizes`` and ``trainable`` of different lengths.
@@ -94,9 +97,9 @@ def plan(sizes: Sequence[int], trainable: Sequence[bool], cap: int) -> tuple[Buc
         if not trainable[i]:
             close()
             continue
-        if members and offsets[members[0] + 1] - offsets[i] > cap:
-            close()
         members.append(i)
+        if offsets[members[0] + 1] - offsets[i] >= cap:
+            close()
     close()
     return tuple(buckets)
 

@@ -118,7 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--bucket-mb",
         type=float,
         default=DEFAULT_BUCKET_MB,
-        help=f"AllReduce-SGD's largest bucket in MiB (default {DEFAULT_BUCKET_MB:g})",
+        help=f"the size at which AllReduce-SGD closes a bucket, in MiB (default {DEFAULT_BUCKET_MB:g})",
     )
     p.add_argument("--topology", default="ring", choices=list(TOPOLOGIES), help="D-PSGD's graph (default ring)")
     p.add_argument(

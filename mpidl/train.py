@@ -164,7 +164,7 @@ ALGORITHM_OPTIONS = (
     AlgorithmOption(
         "--bucket-mb",
         "bucket_mb",
-        "the largest gradient bucket, in MiB (default 4; DDP's 25)",
+        "the size at which a gradient bucket is closed, in MiB (default 4; DDP's 25)",
         type=_parser(float, lambda v: v > 0, "a positive number"),
     ),
     AlgorithmOption(

@@ -29,8 +29,8 @@ from collectives.transport.p2p import bytes_sent
 pytestmark = pytest.mark.mpi
 torch = pytest.importorskip("torch")
 
-#: Buckets of at most 1 KiB (256 float32): the test MLP gets several.
-SMALL_BUCKETS = 1 / 1024
+#: Buckets closed at 256 bytes (64 float32): the test MLP gets three.
+SMALL_BUCKETS = 1 / 4096
 
 
 def mlp(batchnorm: bool = False) -> torch.nn.Module:
@@ -106,10 +106,11 @@ def test_plan_packs_reverse_order_slices_and_skips_frozen() -> None:
     buckets = plan(sizes, trainable, cap=5)
     assert buckets == (
         Bucket(0, 21, 25, (5, 4)),  # the last two parameters, 4 elements; the frozen one ends the bucket
-        Bucket(1, 8, 18, (2,)),  # larger than the cap: a bucket of its own
-        Bucket(2, 6, 8, (1,)),  # 2 + 6 elements would exceed the cap
-        Bucket(3, 0, 6, (0,)),
+        Bucket(1, 8, 18, (2,)),  # at least the cap: closed
+        Bucket(2, 0, 8, (1, 0)),  # 2 elements, then 6 more: closed at 8, over the cap by less than the last
     )
+    # Linear layers (weight, bias): each bias travels with its weight, the bias reported first.
+    assert plan([4, 1, 4, 1], [True] * 4, cap=4) == (Bucket(0, 5, 10, (3, 2)), Bucket(1, 0, 5, (1, 0)))
     # Every trainable parameter in exactly one bucket, each bucket one contiguous slice.
     covered = sorted(i for b in buckets for i in b.params)
     assert covered == [0, 1, 2, 4, 5]
@@ -422,7 +423,7 @@ def test_dpsgd_half_precision_overlap() -> None:
 
 def test_step_bench_times_every_candidate(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tmp_path_factory.mktemp("stepbench") / "steps.json"
-    args = ["--hidden", "32", "--steps", "2", "--repeat", "2", "--warmup", "1", "--bucket-mb", "0.005"]
+    args = ["--hidden", "32", "--steps", "2", "--repeat", "2", "--warmup", "1", "--bucket-mb", "0.001"]
     proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "step-bench", *args, "--json", str(out)])
     assert proc.returncode == 0, proc.stderr
     data = on_rank0_quietly(lambda: json.loads(out.read_text()))
@@ -430,7 +431,7 @@ def test_step_bench_times_every_candidate(tmp_path_factory: pytest.TempPathFacto
     assert names == ["local", "comm", "allreduce", "allreduce+overlap", "dpsgd", "dpsgd+overlap", "ddp"]
     assert all(r["time"] > 0 and len(r["samples"]) == 2 for r in data["results"])
     assert data["meta"]["model"] == "MLP 64-32-10" and data["meta"]["ranks"] == 2 and data["meta"]["device"] == "cpu"
-    assert data["meta"]["buckets"] == [4 * (10 + 320 + 32), 4 * 2048]  # 0.005 MiB: 1310 floats at most
+    assert data["meta"]["buckets"] == [4 * (10 + 320), 4 * (32 + 2048)]  # 0.001 MiB: closed at 262 floats
     assert "vs local" in proc.stdout and "local + comm" in proc.stdout
 
 
