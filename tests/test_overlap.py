@@ -22,6 +22,7 @@ from algorithms.background import spare_cores
 from algorithms.buckets import Bucket, Tracker, plan
 from collectives import ArgumentError, reduction
 from collectives.kernels.resident import SharedVectors
+from collectives.transport import exchange
 from collectives.transport.chunks import chunk_bounds
 from collectives.transport.context import context
 from collectives.transport.p2p import bytes_sent
@@ -221,7 +222,10 @@ def run_allreduce(comm: MPI.Comm, overlap: bool, steps: int = 5, **options: obje
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("collective", ["auto", "ring", "butterfly"])
-def test_allreduce_overlap_gives_the_same_bits(size: int, collective: str) -> None:
+def test_allreduce_overlap_gives_the_same_bits(size: int, collective: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service thread polls, in segments of POLLED_SEGMENT bytes (here 24: several per
+    block), the plain step blocks (one segment): the same bits."""
+    monkeypatch.setattr(exchange, "POLLED_SEGMENT", 24)
     comm = comm_of_size(size)
     on, algo = run_allreduce(comm, True, algorithm=collective)
     off, plain = run_allreduce(comm, False, algorithm=collective)

@@ -250,6 +250,11 @@ def poll_waits() -> None:
     _sent.poll = True
 
 
+def polls() -> bool:
+    """Whether this thread's waits poll (:func:`poll_waits`)."""
+    return _sent.poll
+
+
 def _poll(pending: Sequence[Pending]) -> None:
     """Test ``pending`` with :class:`Backoff` sleeps in between until all have completed."""
     backoff = Backoff()
