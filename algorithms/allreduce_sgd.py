@@ -34,7 +34,7 @@ choice).
 
 Shared memory: when every rank is on one node and the buckets' algorithm is
 ``shm`` (what ``auto`` picks there), the flat gradient of a torch model on
-the CPU is allocated in a shared window, one vector per rank
+the CPU is allocated in shared memory, one vector per rank
 (:class:`collectives.kernels.resident.SharedVectors`), and a bucket's
 all-reduce runs there in place with two barriers, combining, dividing and
 copying out block by block in cache (``shm`` copies the whole vector into
@@ -45,7 +45,12 @@ adding into the buffer), and each bucket reads this rank's part of them
 where they are and copies in only the parts the peers reduce; ``step()``
 points the gradients back at the buffer, which then holds the average. Each element is computed as ``shm`` computes
 it, so the bits are those ``shm`` gives. :meth:`AllReduceSGD.close` moves the
-gradients back into private memory.
+gradients back into private memory. Without overlap, with a plain
+``torch.optim.SGD``, the update is fused with that all-reduce (``fuse_update``,
+:mod:`algorithms.fused_sgd`): the parameters and momentum live in shared memory
+too, and the rank that averages a block of a bucket applies SGD's rule to it
+for every rank, while it is in cache; the same bits as the optimizer's step,
+about 5n element accesses per rank instead of 7n on two ranks.
 
 Gradient accumulation over several backward passes: all but the last run
 inside :meth:`AllReduceSGD.no_sync`, which keeps them from reporting; a
@@ -112,6 +117,7 @@ from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
 from .compressed import CompressedSlices, resolve
 from .flat import TorchFlatParams
+from .fused_sgd import SharedSGD, unfusable
 from .local_momentum import LocalMomentum, default_on, parameter_groups
 
 
@@ -155,6 +161,12 @@ class AllReduceSGD(Algorithm):
             DDP's PowerSGD hook does its first ``start_powerSGD_iter`` (local
             momentum, where on, is applied throughout); 0: compress from the start.
         seed: seeds the compressors' random numbers (qsgd, random-k, PowerSGD).
+        fuse_update: with the gradients in shared memory and no overlap, each rank
+            applies the SGD update to the part of every bucket it reduces, for every
+            rank (:mod:`algorithms.fused_sgd`: the same bits, a fraction of the
+            memory traffic). None: wherever that holds and the optimizer is a
+            plain ``torch.optim.SGD`` (:func:`~algorithms.fused_sgd.unfusable`);
+            True: there, else an ArgumentError saying why not.
 
     Attributes:
         choice: for "auto", the cost model's choice for the whole model's size
@@ -168,6 +180,8 @@ class AllReduceSGD(Algorithm):
             (:class:`~algorithms.compressed.CompressedSlices`), or None.
         local_momentum: the workers' momentum
             (:class:`~algorithms.local_momentum.LocalMomentum`), or None.
+        fused_update: the update fused with the all-reduce
+            (:class:`~algorithms.fused_sgd.SharedSGD`), or None.
     """
 
     name = "allreduce"
@@ -188,6 +202,7 @@ class AllReduceSGD(Algorithm):
         local_momentum: bool | None = None,
         compression_start: int = 0,
         seed: int = 0,
+        fuse_update: bool | None = None,
         **common: Any,
     ) -> None:
         self.algorithm = algorithm
@@ -198,6 +213,8 @@ class AllReduceSGD(Algorithm):
         self.local_momentum_arg = local_momentum
         self.compression_start = compression_start
         self.local_momentum: LocalMomentum | None = None
+        self.fuse_update_arg = fuse_update
+        self.fused_update: SharedSGD | None = None
         self._background: Background | None = None
         self._shared: SharedVectors | None = None
         self._hooks: list[Any] = []
@@ -237,6 +254,9 @@ class AllReduceSGD(Algorithm):
             raise ArgumentError(f"compression_start must be a number of steps >= 0, got {start!r}")
         if start and self._compression is None:
             raise ArgumentError("compression_start needs a compression (the steps before it are uncompressed)")
+        self._unfusable = self._why_unfusable(hooked)
+        if self.fuse_update_arg and self._unfusable:
+            raise ArgumentError(f"fuse_update=True, but {self._unfusable}")
         return (
             self.algorithm,
             self.layout,
@@ -247,7 +267,23 @@ class AllReduceSGD(Algorithm):
             self.seed if self._compression else None,
             self._local,
             start,
+            self.fuse_update_arg,
+            self._unfusable is None,
         )
+
+    def _why_unfusable(self, hooked: bool) -> str | None:
+        """Why the update cannot be fused with the all-reduce, as far as the options and
+        the optimizer tell (local; :meth:`_start` knows the rest), or None."""
+        arg = self.fuse_update_arg
+        if arg is not None and not isinstance(arg, bool):
+            raise ArgumentError(f"fuse_update must be None, True or False, got {arg!r}")
+        if not hooked:
+            return "the model is not a torch model"
+        if self._compression is not None:
+            return "the gradient is compressed"
+        if self.overlap_arg:
+            return "the buckets are all-reduced during backward (overlap)"
+        return unfusable(self.optimizer)
 
     def _resolve_local_momentum(self) -> bool:
         """Whether the workers apply momentum before compressing (the ``local_momentum``
@@ -304,6 +340,7 @@ class AllReduceSGD(Algorithm):
         offsets = np.cumsum((0, *self.flat.sizes))
         self._offsets = [int(o) for o in offsets[:-1]]
         self._bucketed = [i for b in self.buckets for i in b.params]
+        self._start_fused_update()
         if not self.overlap:
             return
         context(self._comm)
@@ -314,6 +351,21 @@ class AllReduceSGD(Algorithm):
         for b in self.buckets:
             for i in b.params:
                 self._hooks.append(flat.views[i][0].register_post_accumulate_grad_hook(self._ready(i)))
+
+    def _start_fused_update(self) -> None:
+        """Fuse the update with the all-reduce where :mod:`algorithms.fused_sgd` applies:
+        the gradients in shared memory, every bucket's algorithm ``shm``, no overlap."""
+        why = self._unfusable
+        if why is None and self.overlap:
+            why = "the buckets are all-reduced during backward (overlap)"
+        if why is None and (self._shared is None or set(self.bucket_algorithms) != {"shm"}):
+            why = "the gradients are not all-reduced in shared memory (one node, every bucket shm)"
+        if why is not None or self.fuse_update_arg is False:
+            if self.fuse_update_arg:
+                raise ArgumentError(f"fuse_update=True, but {why}")
+            return
+        assert isinstance(self.flat, TorchFlatParams)  # else unfusable
+        self.fused_update = SharedSGD(context(self._comm).comm, self.optimizer, self.flat, self._bucketed)
 
     def _resident(self) -> bool:
         """Whether the gradients can live in shared memory (module docstring): a torch
@@ -390,11 +442,14 @@ class AllReduceSGD(Algorithm):
         assert self._background is not None
         self._background.submit(self._reduce, bucket, self._prepare(bucket))
 
-    def _reduce(self, bucket: Bucket, pieces: Sequence[tuple[int, Any]]) -> None:
+    def _reduce(
+        self, bucket: Bucket, pieces: Sequence[tuple[int, Any]], finish: Callable[..., None] | None = None
+    ) -> None:
         """All-reduce (average) ``bucket``'s slice of the flat gradient, in place
-        (``pieces``: see :meth:`_prepare`)."""
+        (``pieces``: see :meth:`_prepare`; ``finish``: the fused update, see
+        :meth:`SharedVectors.allreduce`)."""
         if self._shared is not None and self.bucket_algorithms[bucket.index] == "shm":
-            self._shared.allreduce(bucket.start, bucket.stop, self._red, pieces)
+            self._shared.allreduce(bucket.start, bucket.stop, self._red, pieces, finish)
             return
         if self.local_momentum is not None:
             self.local_momentum.apply(bucket.params)
@@ -412,8 +467,14 @@ class AllReduceSGD(Algorithm):
         )
 
     def _step(self) -> None:
-        self._synchronize()
-        self._update()
+        fused = self.fused_update
+        if fused is None:
+            self._synchronize()
+            self._update()
+            return
+        fused.begin()
+        self._synchronize(fused.update)
+        fused.end()
 
     def _update(self) -> None:
         if self.local_momentum is None:
@@ -422,7 +483,8 @@ class AllReduceSGD(Algorithm):
         with self.local_momentum.plain():
             self.optimizer.step()
 
-    def _synchronize(self) -> None:
+    def _synchronize(self, finish: Callable[..., None] | None = None) -> None:
+        """All-reduce every bucket (``finish``: the fused update, without overlap)."""
         if any(p.requires_grad for p in self._frozen):
             raise RuntimeError(
                 "a parameter frozen when the algorithm was built now requires a gradient, which no "
@@ -431,7 +493,7 @@ class AllReduceSGD(Algorithm):
         with self._communicating():
             if self._background is None:
                 for b in self.buckets:
-                    self._reduce(b, self._prepare(b))
+                    self._reduce(b, self._prepare(b), finish)
             else:
                 self._tracker.flush()
                 self._tracker.reset()
@@ -485,6 +547,9 @@ class AllReduceSGD(Algorithm):
             finally:
                 self._background.close()
                 self._background = None
+        if self.fused_update is not None:
+            self.fused_update.close()
+            self.fused_update = None
         if self._shared is not None:
             self._move_grads(self._shared.mine.copy())
             self._shared.free()

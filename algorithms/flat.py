@@ -188,6 +188,7 @@ class TorchFlatParams(FlatParams):
                 setattr(module, name, view)  # a registered buffer: nn.Module keeps it registered
                 offset += n
         super().__init__(params, grads, state if extra else None)
+        self._buffers = [(module, name) for module, name, _ in extra]
         self.sizes = tuple(p.numel() for p in tensors)
         self.trainable = tuple(bool(p.requires_grad) for p in tensors)
         self.shapes = tuple(tuple(p.shape) for p in tensors)
@@ -214,6 +215,29 @@ class TorchFlatParams(FlatParams):
             self.views[i] = (p, view)
             offset += n
         self.grads, self.grad_data = grads, as_flat(grads).data
+
+    def move_state(self, state: Any) -> None:
+        """Make ``state`` (a 1-D tensor of the flat state's length, dtype and device, e.g.
+        in shared memory) the flat state buffer: the parameters and buffers are copied in,
+        and every parameter's ``data`` and every buffer of the state re-pointed to it."""
+        import torch
+
+        with torch.no_grad():
+            state.copy_(self.state)
+            offset = 0
+            for p, _ in self.views:
+                n = p.numel()
+                p.data = state[offset : offset + n].view_as(p)
+                offset += n
+            params = state[:offset]
+            for module, name in self._buffers:
+                b = getattr(module, name)
+                n = b.numel()
+                setattr(module, name, state[offset : offset + n].view_as(b))
+                offset += n
+        self.params, self.param_data = params, as_flat(params).data
+        self.state = state if self._buffers else params
+        self.state_data = as_flat(self.state).data
 
     def collect_grads(self) -> None:
         """Copy gradients that no longer alias the flat buffer into it and re-point them.

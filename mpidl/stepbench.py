@@ -11,6 +11,9 @@ in several ways, each on its own copy of the model (same seed):
   AllReduce-SGD's algorithm choice runs it (``--collective``);
 * ``allreduce`` and ``allreduce+overlap``: mpidl's AllReduce-SGD without
   and with its buckets all-reduced during backward (:mod:`algorithms.allreduce_sgd`);
+  ``allreduce-unfused``: without overlap and without the SGD update fused with
+  the all-reduce where ``allreduce`` fuses it (:mod:`algorithms.fused_sgd`: one
+  node, gradients in shared memory);
 * ``dpsgd`` and ``dpsgd+overlap``: D-PSGD (``--topology``) without and
   with the averaging run during forward and backward (:mod:`algorithms.dpsgd`);
 * ``ddp``: PyTorch DistributedDataParallel over gloo with its defaults
@@ -60,7 +63,17 @@ from algorithms.topology import TOPOLOGIES
 from . import models, peers, torchdist
 
 #: The candidates, in the order of the table.
-CANDIDATES = ("local", "comm", "allreduce", "allreduce+overlap", "dpsgd", "dpsgd+overlap", "ddp", "horovod")
+CANDIDATES = (
+    "local",
+    "comm",
+    "allreduce",
+    "allreduce-unfused",
+    "allreduce+overlap",
+    "dpsgd",
+    "dpsgd+overlap",
+    "ddp",
+    "horovod",
+)
 #: The candidates timed when none are named (Horovod, an optional peer, only by name).
 DEFAULT_CANDIDATES = CANDIDATES[:-1]
 #: The phases of a step, timed separately.
@@ -260,12 +273,16 @@ def _candidate(
         closers.append(peer.close)
         return _training_step(module, x, y, peer.zero_grad, peer.step, sync)
     kind, _, overlap = name.partition("+")
+    kind, _, unfused = kind.partition("-")
     options: dict[str, Any] = {"topology": args.topology}
     if kind == "allreduce":
         options = {"algorithm": args.collective, "bucket_mb": args.bucket_mb}
+        options.update({"fuse_update": False} if unfused else {})
     algo = algorithms.create(kind, module, opt, comm, overlap=bool(overlap), **options)
     closers.append(algo.close)
     if isinstance(algo, algorithms.AllReduceSGD):
+        if name == "allreduce":
+            described["fused"] = algo.fused_update is not None
         described["buckets"] = [b.size * algo.flat.grad_data.itemsize for b in algo.buckets]
         described["bucket_algorithms"] = list(algo.bucket_algorithms)
         described["resident"] = algo.resident
@@ -338,6 +355,7 @@ def main(args: argparse.Namespace) -> int:
         buckets = meta.get("buckets")
         plan = f", {len(buckets)} buckets (largest {max(buckets) / 2**20:.1f} MiB)" if buckets else ""
         plan += ", gradients in shared memory" if meta.get("resident") else ""
+        plan += ", update fused" if meta.get("fused") else ""
         print(
             f"# mpidl step-bench: {meta['model']} ({meta['parameters']:,} parameters, "
             f"{meta['bytes'] / 2**20:.1f} MiB), batch {meta['batch_size']} per rank, {meta['ranks']} ranks, "

@@ -432,7 +432,10 @@ def test_step_bench_times_every_candidate(tmp_path_factory: pytest.TempPathFacto
     assert proc.returncode == 0, proc.stderr
     data = on_rank0_quietly(lambda: json.loads(out.read_text()))
     names = [r["name"] for r in data["results"]]
-    assert names == ["local", "comm", "allreduce", "allreduce+overlap", "dpsgd", "dpsgd+overlap", "ddp"]
+    assert names == [
+        *("local", "comm", "allreduce", "allreduce-unfused", "allreduce+overlap", "dpsgd", "dpsgd+overlap", "ddp")
+    ]
+    assert data["meta"]["fused"] is True  # one node, shm, SGD
     assert all(r["time"] > 0 and len(r["samples"]) == 2 for r in data["results"])
     assert data["meta"]["model"] == "MLP 64-32-10" and data["meta"]["ranks"] == 2 and data["meta"]["device"] == "cpu"
     assert data["meta"]["buckets"] == [4 * (10 + 320), 4 * (32 + 2048)]  # 0.001 MiB: closed at 262 floats

@@ -3,8 +3,8 @@
 The shared-memory all-reduce (:mod:`.shm`) takes vectors wherever the caller
 keeps them, so each rank first copies its vector into a shared segment, piece
 by piece, and the result is combined back into it; the average divides in a
-last pass. When the vectors themselves live in shared memory — one window on
-the node communicator holding one vector per rank (:class:`SharedVectors`),
+last pass. When the vectors themselves live in shared memory — one mapping
+shared by the node's ranks holding one vector per rank (:class:`SharedVectors`),
 e.g. a model's gradient buffer allocated there once, which backward writes
 into — a rank can read its peers' vectors where they are. For a slice
 ``[start, stop)`` of every rank's vector, with q ranks and rank i's part
@@ -48,7 +48,10 @@ sliced reduction, here in place).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import mmap
+import os
+import tempfile
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,13 +63,16 @@ from ..transport.ops import Reduction
 from .shm import Segment
 
 _ALIGN = 64  # each rank's vector starts on its own cache line
+#: Where the shared vectors' file lives while the ranks map it: a memory file system.
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 #: Bytes combined at a time: each block is folded, finished and copied out while it is in cache.
 BLOCK = 256 << 10
 
 
 class SharedVectors:
     """One vector of ``count`` elements of numpy ``dtype`` per rank of ``comm`` (a node
-    communicator), all in one shared window; collective over ``comm`` to create and to free.
+    communicator), all in one shared mapping (:func:`node_memory`); collective over ``comm``
+    to create and to free.
 
     Attributes:
         mine: this rank's vector (a numpy array in shared memory, zero-filled).
@@ -76,20 +82,21 @@ class SharedVectors:
     def __init__(self, comm: MPI.Comm, count: int, dtype: Any) -> None:
         self.dtype = np.dtype(dtype)
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
-        nbytes = -(-max(count, 1) * self.dtype.itemsize // _ALIGN) * _ALIGN
-        self._win = MPI.Win.Allocate_shared(nbytes, 1, comm=comm)  # type: ignore[arg-type]  # a node communicator
-        self.vectors = [
-            np.frombuffer(self._win.Shared_query(r)[0], self.dtype, count)  # type: ignore[call-overload]  # an MPI buffer
-            for r in range(self.size)
-        ]
+        stride = -(-max(count, 1) * self.dtype.itemsize // _ALIGN) * _ALIGN
+        raw = np.frombuffer(node_memory(comm, stride), np.uint8)
+        self.vectors = [raw[r * stride :][: count * self.dtype.itemsize].view(self.dtype) for r in range(self.size)]
         self.mine = self.vectors[self.rank]
-        self.mine.fill(0)
-        self._win.Lock_all(MPI.MODE_NOCHECK)
         self._sync = Segment(comm, capacity=_ALIGN)  # its barrier only
-        self._win.Sync()
         self._sync.barrier()
 
-    def allreduce(self, start: int, stop: int, red: Reduction, pieces: Sequence[tuple[int, Any]] = ()) -> None:
+    def allreduce(
+        self,
+        start: int,
+        stop: int,
+        red: Reduction,
+        pieces: Sequence[tuple[int, Any]] = (),
+        finish: Callable[[int, int, np.ndarray], None] | None = None,
+    ) -> None:
         """Reduce ``[start, stop)`` of every rank's vector into every rank's, in place
         (module docstring); collective over the node.
 
@@ -98,7 +105,13 @@ class SharedVectors:
         ``[offset, offset + len)`` instead of its vector (e.g. gradients a backward pass
         left in private memory). Only the parts the other ranks reduce are copied into
         the vector, before the first barrier; this rank reads its own part from the
-        arrays. Its vector holds the result all the same."""
+        arrays. Its vector holds the result all the same.
+
+        ``finish(a, b, result)``: called for each block ``[a, b)`` of this rank's part,
+        ``result`` its values (a view of rank 0's vector, to be read, not written), right
+        after they were copied into every vector and while they are in cache, between
+        the two barriers: e.g. to apply an update to that part of state every rank keeps
+        in shared memory (:class:`algorithms.fused_sgd.SharedSGD`)."""
         bounds = chunk_bounds(stop - start, self.size)
         lo, hi = start + bounds[self.rank], start + bounds[self.rank + 1]
         mine, published = self.mine, 0
@@ -110,7 +123,6 @@ class SharedVectors:
             if end > hi:
                 mine[max(offset, hi) : end] = values[max(offset, hi) - offset :]
                 published += end - max(offset, hi)
-        self._win.Sync()
         self._sync.barrier()
         if hi > lo and self.size > 1:
             block = max(1, BLOCK // self.dtype.itemsize)
@@ -125,21 +137,63 @@ class SharedVectors:
                     red.finalize(out, self.size)
                     for v in self.vectors[1:]:
                         v[c:d] = out
+                    if finish is not None:
+                        finish(c, d, out)
         elif hi > lo:
             for a, b, own in _segments(lo, hi, pieces):
                 if own is not None:
                     mine[a:b] = own
+                if finish is not None:
+                    finish(a, b, mine[a:b])
         p2p.count_sent((published + (self.size - 1) * (hi - lo)) * self.dtype.itemsize)
-        self._win.Sync()
         self._sync.barrier()
 
     def free(self) -> None:
-        """Release the window (collective); the vectors must no longer be used."""
+        """Release the barrier (collective); the memory goes with the last array that views it."""
         self.vectors.clear()
         self.mine = self.mine[:0].copy()
         self._sync.free()
-        self._win.Unlock_all()
-        self._win.Free()
+
+
+def node_memory(comm: MPI.Comm, stride: int) -> mmap.mmap:
+    """``stride`` bytes per rank of ``comm`` (one node's ranks), rank r's at ``r * stride``,
+    zero-filled, in one mapping of a file in :data:`SHM_DIR` that every rank maps;
+    collective. Each rank allocates its own stride (first touch: on its NUMA node).
+    The file is unlinked once mapped (no leftover after a crash), and the mapping
+    lasts as long as an array views it: an array kept past :meth:`SharedVectors.free`
+    stays valid.
+
+    Raises:
+        OSError: on every rank, when a rank could not create, map or allocate it (e.g.
+            a full ``/dev/shm``), with that rank's error.
+    """
+    rank, nbytes = comm.Get_rank(), stride * comm.Get_size()
+    path, problem, memory = None, None, None
+    if rank == 0:
+        try:
+            fd, path = tempfile.mkstemp(prefix="mpidl-", dir=SHM_DIR)
+            os.ftruncate(fd, nbytes)
+            os.close(fd)
+        except OSError as exc:
+            problem = str(exc)
+    path, problem = comm.bcast((path, problem), root=0)
+    if problem is None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, rank * stride, stride)
+                memory = mmap.mmap(fd, nbytes)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            problem = f"rank {rank}: {exc}"
+    problems = [p for p in comm.allgather(problem) if p]
+    if rank == 0 and path is not None:
+        os.unlink(path)
+    if problems or memory is None:
+        raise OSError(f"cannot allocate {nbytes} bytes of shared memory in {SHM_DIR}: {problems[0]}")
+    return memory
 
 
 def _segments(lo: int, hi: int, pieces: Sequence[tuple[int, Any]]) -> list[tuple[int, int, Any]]:
