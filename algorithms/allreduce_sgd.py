@@ -50,7 +50,7 @@ gradients back into private memory. Without overlap, with a plain
 :mod:`algorithms.fused_sgd`): the parameters and momentum live in shared memory
 too, and the rank that averages a block of a bucket applies SGD's rule to it
 for every rank, while it is in cache; the same bits as the optimizer's step,
-about 5n element accesses per rank instead of 7n on two ranks.
+its 5n element accesses per rank become 2n + 2n/q.
 
 Gradient accumulation over several backward passes: all but the last run
 inside :meth:`AllReduceSGD.no_sync`, which keeps them from reporting; a

@@ -36,11 +36,12 @@ it ran, step post-hooks) sees the step; a step pre-hook sees it after the update
 
 Traffic per rank and step, for n elements on q ranks: it reads the q
 contributions, the parameters and the momentum of its n/q elements and
-writes the parameters and momentum of q ranks, about 4n + 2n/q element
+writes the parameters and momentum of q ranks, about 2n + 2n/q element
 accesses beyond the all-reduce's, against 5n for the optimizer over the
-whole model. Measured on the development machine, 2 ranks, 4,349,962
-float32 parameters: all-reduce then SGD with momentum 5.5 ms, fused 3.9 ms
-(``docs/performance.rst``). The writes into the peers' copies are not counted
+whole model. Measured on the development machine, 2 ranks, MLP
+64-2048-2048-10 (``docs/performance.rst``): the step 1.04-1.08x the local
+step against 1.13-1.17x unfused where memory bandwidth binds; the same as
+unfused where it does not. The writes into the peers' copies are not counted
 as bytes sent (:func:`collectives.transport.p2p.count_sent`): they stand for the
 update each rank would otherwise compute itself, not for communication; the
 step counts the all-reduce's bytes, as unfused.
