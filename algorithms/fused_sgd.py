@@ -134,7 +134,9 @@ class SharedSGD:
                 bool(group.get("maximize", False)),
             )
             for p in group["params"]:
-                hyper[self._index[id(p)]] = values
+                i = self._index.get(id(p))  # None: added to the optimizer later; its own step updates it
+                if i is not None:
+                    hyper[i] = values
         for i in self._indices:
             p, view = self.flat.views[i][0], self._views[i]
             buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
