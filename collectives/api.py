@@ -13,6 +13,11 @@ calibrate the cost model: collective), so nothing of the kind happens per call.
 Once the plan exists the check rides with the data where it can: in the
 shared segment when the shared-memory algorithm runs on one node, in the
 messages of small butterfly all-reduces on communicators that span nodes.
+Which way a call goes depends only on what every rank built together (the
+plans, and ``auto``'s choice per size), never on the resolved calls a rank
+happens to keep: a call is bound as soon as its plan exists, so ranks whose
+kept calls differ (after a call that failed on some ranks, or after one rank
+dropped its calls at :data:`_CALLS`) still take the same path.
 """
 
 from __future__ import annotations
@@ -63,8 +68,7 @@ class _Auto:
         return name
 
     def __call__(self, x: Any, red: Reduction) -> None:
-        xp = np if type(x) is np.ndarray else array_module(x)
-        self.runs[self.algorithm_for(x.nbytes, xp)](x, red)
+        self.runs[self.algorithm_for(x.nbytes, _memory(x))](x, red)
 
 
 #: Registered all-reduce algorithms: name -> planner.
@@ -79,8 +83,9 @@ class _Call:
     """One all-reduce call's arguments on one communicator, resolved.
 
     Built locally (no communication): raises ArgumentError for a bad op,
-    algorithm, layout or grid. The plan is bound on the first run, after the
-    check (collective), with the way the check can ride along from then on.
+    algorithm, layout or grid. The plan is bound when a run starts and finds it
+    built (:meth:`find`), else after the check, collectively (:meth:`bind`),
+    with the way the check can ride along from then on.
     """
 
     __slots__ = (
@@ -92,6 +97,7 @@ class _Call:
         "fuse",
         "header",
         "operation",
+        "plan",
         "red",
         "request",
         "run",
@@ -120,6 +126,7 @@ class _Call:
         options = 0 if layout is None and grid is None else validation.code(repr((layout, grid)))
         self.ctx, self.algorithm, self.validate = ctx, algorithm, validate
         self.request = Request(comm, ctx, layout, grid)
+        self.plan = ("plan", algorithm, repr((layout, grid)))  # the plan's key in ctx.cache
         self.signature = (flat.size, dtype_code(flat), validation.code(op), validation.code(algorithm), options)
         self.header = validation.header(None, self.signature)
         self.agreed = self.header * ctx.size  # every rank's header when all agree
@@ -131,6 +138,8 @@ class _Call:
 
     def __call__(self, x: Any) -> None:
         """All-reduce the flat array ``x`` in place (finished, e.g. averaged)."""
+        if self.run is None:
+            self.find(x)
         red, seg = self.red, self.carrier
         if seg is not None:  # the check rides in the shared segment
             seg.post(self.header)
@@ -153,17 +162,31 @@ class _Call:
         if headers != self.agreed:
             validation.verify(self.ctx, "allreduce", None, self.signature, _field_names, headers)
 
+    def find(self, x: Any) -> None:
+        """Bind locally (no communication) if the plan, and for "auto" the algorithm
+        chosen for ``x``'s size and memory, exist already.
+
+        Plans and auto's choices are only ever added, and only collectively
+        (:meth:`bind`, after a passed check), so whether a call is bound when it
+        starts, and with it the way its check goes, is the same on every rank,
+        whatever resolved calls each rank has kept (:data:`_CALLS`).
+        """
+        plan = self.ctx.cache.get(self.plan)
+        if plan is not None and (not isinstance(plan, _Auto) or (x.nbytes, _memory(x), self.validate) in plan.chosen):
+            self.bind(x)
+
     def bind(self, x: Any) -> Run:
-        """Build (or find) the plan, collectively, and note how the check can ride along."""
-        ctx, req = self.ctx, self.request
-        key = ("plan", self.algorithm, repr((req.layout, req.grid)))
-        plan = ctx.cache.get(key)
+        """Find (or build, collectively) the plan, and note how the check can ride along."""
+        ctx = self.ctx
+        plan = ctx.cache.get(self.plan)
         if plan is None:
-            plan = ctx.cache[key] = ALGORITHMS[self.algorithm](req)
+            plan = ctx.cache[self.plan] = ALGORITHMS[self.algorithm](self.request)
         name, run = self.algorithm, plan
         if isinstance(plan, _Auto):
-            name = plan.algorithm_for(x.nbytes, np if type(x) is np.ndarray else array_module(x), self.validate)
+            name = plan.algorithm_for(x.nbytes, _memory(x), self.validate)
             run = plan.runs[name]
+            self.operation = f"allreduce(algorithm='auto': {name!r})"  # what the stall inspector names
+            p2p.operation(self.operation)
         if self.validate and type(x) is np.ndarray and ctx.size > 1:
             self.carrier = run.carrier(ctx) if isinstance(run, Shm) else None
             self.fuse = name == "butterfly" and x.nbytes <= validation.FUSE_LIMIT and shm.shared(ctx) is None
@@ -309,6 +332,11 @@ def _candidates(ctx: Context, lay: Layout, xp: Any) -> list[str]:
     """The algorithms "auto" chooses from for ``xp`` memory on ``lay``: the
     shared-memory one only for host memory on nodes that share memory."""
     return [name for name in costmodel.MODELS if name != "shm" or (xp is np and shm.capable(ctx, lay))]
+
+
+def _memory(x: Any) -> Any:
+    """The array module of ``x``'s memory: numpy for host arrays, else e.g. cupy."""
+    return np if type(x) is np.ndarray else array_module(x)
 
 
 def _field_names() -> tuple[dict[int, str], ...]:

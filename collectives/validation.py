@@ -8,9 +8,13 @@ On a communicator whose ranks all share one node's memory, every rank writes
 its header into the communicator's shared segment (:mod:`collectives.kernels.shm`),
 passes one shared-memory barrier and compares all headers (:func:`verify`):
 no message at all. The shared-memory all-reduce posts its header the same
-way and uses its own first barrier, so there the check costs nothing extra;
-the two are interchangeable, so ranks that took different paths (one has a
-bad buffer, another does not) still meet at the same barrier.
+way and uses its own first barrier, so there the check costs nothing extra.
+Where the check fails the two are interchangeable: each posts one header and
+passes one barrier, and an all-reduce abandoned after it gives back the buffer
+it took (:meth:`~collectives.kernels.shm.Segment.verify`), so ranks that took
+different paths (one has a bad buffer, another does not) meet at the same
+barrier and leave the segment alike. Where it passes, every rank took the same
+path: :mod:`collectives.api` chooses it from state all ranks share.
 
 Elsewhere the check is a recursive-doubling exchange
 of a 48-byte header on the private communicator, folded for non-powers of two

@@ -157,3 +157,41 @@ def test_collectives_work_after_errors() -> None:
     collectives.allreduce(x, algorithm="halving_doubling")
     n = comm.Get_size()
     assert all_ok(comm, bool(np.all(x == n * (n - 1) // 2)))
+
+
+#: A failed call (rank 1's length differs) leaves rank 1 one more resolved call,
+#: so it drops its kept calls (the limit is ``api._CALLS``) one distinct call
+#: before rank 0; then a repeated call is resolved on one rank and new on the other.
+KEPT_CALLS_DIFFER = """
+import sys
+import numpy as np
+from mpi4py import MPI
+import collectives
+from collectives import ArgumentError, api
+comm, algorithm = MPI.COMM_WORLD, sys.argv[1]
+r, n = comm.Get_rank(), comm.Get_size()
+
+def exact(length):
+    x = np.full(length, 10.0**r)
+    collectives.allreduce(x, algorithm=algorithm)
+    return bool(np.all(x == sum(10.0**i for i in range(n))))
+
+ok = [exact(6)]
+try:
+    collectives.allreduce(np.ones(6 if r == 0 else 5), algorithm=algorithm)
+except ArgumentError:
+    pass
+for length in range(8, 8 + api._CALLS + 8):
+    ok += [exact(length), exact(6)]
+print("wrong results:", comm.allreduce(ok.count(False)))
+"""
+
+
+@pytest.mark.parametrize("algorithm", ["butterfly", "auto"])
+def test_ranks_that_kept_different_calls_across_nodes(algorithm: str) -> None:
+    """On two nodes small butterfly all-reduces ride in the check's messages once
+    the call is bound: a rank whose call was not bound sent the bare check, and
+    both raised "ranks disagree" on agreeing arguments. The path a call takes
+    must depend only on what every rank has built (plans, auto's choices)."""
+    run = on_rank0_quietly(mpiexec, 2, ["-c", KEPT_CALLS_DIFFER, algorithm], hosts="a:1,b:1", timeout=60)
+    assert run.returncode == 0 and "wrong results: 0" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]

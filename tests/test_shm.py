@@ -12,7 +12,7 @@ from mpi4py import MPI
 from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
 
 import collectives
-from collectives import ArgumentError
+from collectives import ArgumentError, api
 from collectives.kernels import shm
 from collectives.transport import p2p
 from collectives.transport.context import context
@@ -85,6 +85,76 @@ def test_disagreement_after_the_plan_exists(algorithm: str) -> None:
     x = np.arange(6, dtype=np.float32)
     collectives.allreduce(x, comm, algorithm=algorithm)  # and the segment still works
     assert all_ok(comm, bool(np.all(x == np.arange(6) * comm.Get_size())))
+
+
+def fail_once(comm: MPI.Comm, algorithm: str, length: int, kind: str = "length") -> None:
+    """A call that is wrong on the last rank only: its length differs (the call is
+    resolved there too), or its buffer is read-only (it fails before it is resolved)."""
+    x = np.ones(length)
+    if comm.Get_rank() == comm.Get_size() - 1:
+        x = x[1:] if kind == "length" else np.frombuffer(x.tobytes())
+    if comm.Get_size() == 1:
+        return
+    with pytest.raises(ArgumentError, match="length differs" if kind == "length" else "read-only"):
+        collectives.allreduce(x, comm, algorithm=algorithm)
+    assert np.all(x == 1)
+
+
+def exact(comm: MPI.Comm, algorithm: str, length: int) -> bool:
+    """All-reduce 10**rank (an exact sum in float64) and say whether every element is right."""
+    x = np.full(length, 10.0 ** comm.Get_rank())
+    collectives.allreduce(x, comm, algorithm=algorithm)
+    return bool(np.all(x == sum(10.0**r for r in range(comm.Get_size()))))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["length", "read-only"])
+@pytest.mark.parametrize("failures", [1, 3])
+@pytest.mark.parametrize("algorithm", ["shm", "auto"])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_caught_errors_leave_the_segment_in_step(size: int, algorithm: str, failures: int, kind: str) -> None:
+    """A bound call carries its check in the segment and takes a buffer before the
+    check fails; a rank whose call is not bound (or fails before it is resolved)
+    takes the plain check. Both must leave the segment alike: later results
+    exact (a stale buffer read gave 2.0 instead of 11.0 on two ranks). Short
+    vectors (replicated) and long ones (sliced on more than two ranks)."""
+    comm = fresh(size)
+    ok = []
+    try:
+        for length in (6, 20_000):
+            ok.append(exact(comm, algorithm, length))  # binds the call
+            for _ in range(failures):
+                fail_once(comm, algorithm, length, kind)
+            ok += [exact(comm, algorithm, length) for _ in range(3)]
+            ok.append(exact(comm, algorithm, 7))
+    finally:
+        comm.Free()
+    assert all_ok(MPI.COMM_WORLD, all(ok)), ok
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("algorithm", ["shm", "auto"])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_ranks_that_kept_different_calls_stay_in_step(size: int, algorithm: str) -> None:
+    """A failed call leaves the last rank one more resolved call than the others, so
+    it reaches the limit of kept calls (512) and drops them one distinct call
+    earlier: for a while a repeated call is resolved on some ranks and new on
+    others. The way its check goes must not depend on that (it desynchronised the
+    segment's barriers: wrong sums, then a hang)."""
+    comm = fresh(size)
+    calls = context(comm).calls
+    ok, kept = [exact(comm, algorithm, 6)], []
+    try:
+        fail_once(comm, algorithm, 6)
+        for length in range(8, 8 + api._CALLS + 8):  # more distinct calls than are kept
+            ok.append(exact(comm, algorithm, length))
+            kept.append(any(isinstance(k, tuple) and k[3] == 48 for k in calls))  # the 6-element call
+            ok.append(exact(comm, algorithm, 6))
+        differed = comm.Get_size() == 1 or len(set(comm.allgather(tuple(kept)))) > 1
+    finally:
+        comm.Free()
+    assert all_ok(MPI.COMM_WORLD, all(ok)), [i for i, good in enumerate(ok) if not good][:10]
+    assert all_ok(MPI.COMM_WORLD, differed)  # the mechanism was exercised
 
 
 def test_segment_allocated_once_and_freed_with_the_communicator() -> None:

@@ -28,7 +28,10 @@ Either way every element is computed by the same operations in the same
 order, so all ranks end bitwise identical. The argument check rides along:
 every rank writes its signature header into the segment before the first
 barrier and reads all headers after it (:meth:`Segment.post`,
-:meth:`Segment.headers`), so it costs no extra synchronisation.
+:meth:`Segment.headers`), so it costs no extra synchronisation. A call whose
+check fails gives back the buffer it took (:meth:`Segment.verify`), leaving
+the segment as the plain check (post, barrier, verify) leaves it on a rank
+whose call failed before it reached the segment.
 
 Across nodes (:func:`hierarchical`): the node's sum is reduced this way onto
 the node leader only, the leaders run a ring all-reduce
@@ -172,6 +175,18 @@ class Segment:
             found = self._views[key] = _Views(self, key[0], count, dtype)
         return found
 
+    def verify(self, check: Check) -> None:
+        """Run a call's ``check`` after its first barrier. If it raises, the call is
+        abandoned: take back the flip of its first piece's :meth:`views`, so the
+        segment is left as on a rank whose call failed before it took a buffer
+        (:func:`collectives.validation.check`: post, barrier, verify) — every
+        rank ends with the same turn, header row and barrier count."""
+        try:
+            check(self)
+        except BaseException:
+            self._turn ^= 1
+            raise
+
     def free(self) -> None:
         """Release the window (collective over the node communicator)."""
         self._views.clear()
@@ -235,7 +250,7 @@ def _replicated(part: np.ndarray, seg: Segment, red: Reduction, check: Check | N
     v.mine[:] = part  # slice assignment: cheaper per call than np.copyto
     seg.barrier()
     if check is not None:
-        check(seg)
+        seg.verify(check)
     if not receives:
         return
     if seg.size == 2:
@@ -256,7 +271,7 @@ def _sliced(x: np.ndarray, seg: Segment, red: Reduction, check: Check | None, re
         v.mine[:] = part
         seg.barrier()
         if check is not None:
-            check(seg)
+            seg.verify(check)
             check = None
         if pending is not None:
             pending[0][:] = pending[1]  # copy-out: (vector part, result slot)
