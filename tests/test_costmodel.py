@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import os
+import re
 
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpitest import all_ok
+from mpitest import all_ok, mpiexec, on_rank0_quietly
 
 import collectives
 from collectives.topology.layout import Layout
+from collectives.transport.context import context
 from collectives.tuning import calibration, costmodel
 from collectives.tuning.costmodel import Params
 
@@ -181,6 +185,166 @@ def test_model_file_is_loaded_not_measured(tmp_path_factory, monkeypatch: pytest
             )
     finally:
         sub.Free()
+
+
+def shared_path(tmp_path_factory: pytest.TempPathFactory, name: str) -> str:
+    """A path in rank 0's temporary directory, the same on every rank."""
+    comm = MPI.COMM_WORLD
+    return comm.bcast(str(tmp_path_factory.mktemp("model") / name) if comm.rank == 0 else None)
+
+
+MEASURED = dataclasses.replace(FLAT, alpha_shm=7e-6, source="measured here")
+
+
+def params_on_fresh_comm(monkeypatch: pytest.MonkeyPatch, path: str) -> Params:
+    """The host parameters of a new communicator with ``MPIDL_COSTMODEL=path`` on this
+    rank, a calibration standing in as :data:`MEASURED` (no communication)."""
+    monkeypatch.setenv("MPIDL_COSTMODEL", path)
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: dataclasses.replace(MEASURED))
+    sub = MPI.COMM_WORLD.Dup()
+    try:
+        return collectives.cost_params(sub)
+    finally:
+        sub.Free()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_model_file_on_some_nodes_only_is_used_by_all(tmp_path_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node-local path: the file exists where rank 0 runs, not elsewhere (here: other
+    ranks name a missing file). Every rank must use rank 0's file: ranks that
+    measured instead chose other algorithms and hung."""
+    comm = MPI.COMM_WORLD
+    path = shared_path(tmp_path_factory, "m.json")
+    if comm.rank == 0:
+        FLAT.save(path)
+    comm.Barrier()
+    prm = params_on_fresh_comm(monkeypatch, path if comm.rank == 0 else path + ".elsewhere")
+    assert all_ok(comm, prm == FLAT), prm
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_model_file_written_once_measured(tmp_path_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    comm = MPI.COMM_WORLD
+    path = shared_path(tmp_path_factory, "new.json")
+    prm = params_on_fresh_comm(monkeypatch, path)
+    assert all_ok(comm, prm == MEASURED and Params.load(path) == MEASURED)
+    assert all_ok(comm, os.listdir(os.path.dirname(path)) == ["new.json"])  # no temporary file left
+
+
+BAD_FILES = [
+    ("{not json", "not valid JSON"),
+    ('{"alpha_intra": "5e-6"}', "'alpha_intra' is '5e-6', not a finite number"),
+    ('{"beta_shm": NaN}', "'beta_shm' is nan, not a finite number"),
+    ('{"gamma": true}', "'gamma' is True, not a finite number"),
+    ("[1e-6, 2e-10]", "holds a JSON list, not an object of parameters"),
+    ('{"alpha": 1e-6}', "unknown parameter 'alpha'"),
+    ('{"offset": {"auto": 1e-6}}', "'offset' names 'auto', not an algorithm"),
+    ('{"offset": {"ring": "fast"}}', "offset 'ring' is 'fast', not a finite number"),
+    ('{"offset": [1e-6]}', "'offset' is [1e-06], not an object"),
+    ('{"source": 3}', "'source' is 3, not text"),
+    ("", "not valid JSON"),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("text", "problem"), BAD_FILES)
+def test_bad_model_file_raises_on_every_rank(
+    text: str, problem: str, tmp_path_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that holds no valid parameters: the same ArgumentError naming the file and
+    the problem on every rank (it raised a raw error on each rank, or loaded a string
+    that failed later, or loaded silently)."""
+    comm = MPI.COMM_WORLD
+    path = shared_path(tmp_path_factory, "bad.json")
+    if comm.rank == 0:
+        with open(path, "w") as f:
+            f.write(text)
+    comm.Barrier()
+    with pytest.raises(collectives.ArgumentError) as info:
+        params_on_fresh_comm(monkeypatch, path)
+    message = str(info.value)
+    assert all_ok(comm, len(set(comm.allgather(message))) == 1), message
+    assert f"MPIDL_COSTMODEL={path}" in message and problem in message, message
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_unusable_model_path_raises_on_every_rank(tmp_path_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory, and a file in a directory that does not exist (it cannot be written)."""
+    comm = MPI.COMM_WORLD
+    directory = shared_path(tmp_path_factory, "")
+    for path, problem in ((directory, "cannot use this cost-model file"), (directory + "/no/m.json", "cannot write")):
+        with pytest.raises(collectives.ArgumentError) as info:
+            params_on_fresh_comm(monkeypatch, path)
+        message = str(info.value)
+        assert all_ok(comm, len(set(comm.allgather(message))) == 1), message
+        assert f"MPIDL_COSTMODEL={path}" in message and problem in message, message
+
+
+def test_model_file_replaced_whole_or_not_at_all(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer interrupted half-way leaves the old file as it was, and no temporary file
+    (the file was opened for writing in place: a reader saw it empty or cut short)."""
+    path = tmp_path / "m.json"
+    FLAT.save(str(path))
+    before = path.read_text()
+
+    def half(obj, f, **kwargs):
+        f.write(json.dumps(obj)[:20])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(costmodel.json, "dump", half)
+    with pytest.raises(OSError, match="No space"):
+        MEASURED.save(str(path))
+    assert path.read_text() == before and os.listdir(tmp_path) == ["m.json"]
+
+
+def test_auto_names_its_choice_for_the_stall_inspector() -> None:
+    """A stall report names the algorithm auto chose, not just "auto"."""
+    comm = MPI.COMM_WORLD
+    x = np.ones(100)
+    collectives.allreduce(x, comm)
+    chosen = collectives.explain(x.nbytes, comm).algorithm
+    names = {call.operation for call in context(comm).calls.values() if call.algorithm == "auto"}
+    assert f"allreduce(algorithm='auto': {chosen!r})" in names, names
+
+
+#: Rank 1 comes late to a calibration on a new communicator, rank 0 to the cost
+#: model's file, rank 1 to a calibration on a communicator in use.
+LATE_TO_CALIBRATION = """
+import time
+from mpi4py import MPI
+from collectives.topology.layout import layout
+from collectives.tuning import calibration
+comm = MPI.COMM_WORLD.Dup()
+lay = layout(comm, str(comm.size))
+for step in range(3):
+    if comm.rank == (0 if step == 1 else 1):
+        time.sleep(2)
+    if step == 1:
+        calibration.params_for(comm, lay, {})
+    else:
+        calibration.calibrate(comm, lay, repeat=1)
+"""
+
+
+@pytest.mark.mpi
+def test_calibration_waits_are_watched(tmp_path_factory) -> None:
+    """The calibration's collective waits (the file's verdict, Barrier, Allreduce, a
+    plan's communicators) are shown to the stall inspector: a rank that comes late
+    is reported, the operation named (they were not seen at all)."""
+    path = shared_path(tmp_path_factory, "m.json")
+    if MPI.COMM_WORLD.rank == 0:
+        FLAT.save(path)
+    env = {"MPIDL_STALL_WARN": "0.5", "MPIDL_STALL_ABORT": "0", "MPIDL_COSTMODEL": path}
+    run = on_rank0_quietly(mpiexec, 2, ["-c", LATE_TO_CALIBRATION], timeout=60, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for late, what in ((1, "Dup"), (0, "the cost-model file"), (1, "Barrier")):
+        waited = rf"rank {1 - late} \(MainThread\) has waited \d+ s in the cost model's calibration \({what}\) "
+        waited += rf"for rank\(s\) {late} "
+        assert re.search(waited, run.stderr), run.stderr[-3000:]
 
 
 @pytest.mark.mpi

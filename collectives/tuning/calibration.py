@@ -5,8 +5,10 @@ layout — exchanges inside and across nodes, a reducing exchange, the
 shared-memory algorithm, every message-passing plan on 8 bytes — and fits
 :class:`~collectives.tuning.costmodel.Params` to it.
 :func:`params_for` is what ``algorithm="auto"`` asks: the parameters loaded
-from ``MPIDL_COSTMODEL`` if that file exists, else measured once per
-communicator (collective) and cached.
+from ``MPIDL_COSTMODEL`` if that file exists (rank 0 reads it for all), else
+measured once per communicator (collective), cached, and written to that
+file. Every collective wait of the calibration is shown to the stall
+inspector, named as such.
 
 It sits above the pure model (:mod:`collectives.tuning.costmodel`) and the
 plans it times (:mod:`collectives.kernels.plans`); the entry point
@@ -20,16 +22,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import ArgumentError
 from ..kernels import shm as _shm
 from ..kernels.plans import PLANNERS, Request
 from ..topology.layout import Layout
-from ..transport import gpu
-from ..transport.context import context
+from ..transport import gpu, p2p
+from ..transport.context import Context, context
 from ..transport.exchange import sendrecv_combine
 from ..transport.ops import reduction
 from ..transport.p2p import sendrecv
@@ -38,6 +43,7 @@ from .costmodel import MODELS, Params, shm_barriers
 log = logging.getLogger("collectives.auto")
 
 _SMALL, _LARGE = 8, 16 << 20
+_T = TypeVar("_T")
 
 
 def calibrate(
@@ -70,7 +76,7 @@ def calibrate(
     buffer (what :mod:`collectives.api` passes): its least time, the slowest
     rank's, is ``overhead``; without it the overhead is 0.
     """
-    user, ctx = comm, context(comm)
+    user, ctx = comm, _context(comm)
     comm = ctx.comm
     if xp is not np:
         gpu.configure(comm)  # the device transport the algorithms will use (collective)
@@ -96,7 +102,7 @@ def calibrate(
         for kind, run in kinds.items():
             samples = []
             for _ in range(repeat):
-                comm.Barrier()
+                _barrier(comm)
                 if pair is not None and rank in pair:
                     t0 = time.perf_counter()
                     run(pair[1] if rank == pair[0] else pair[0])
@@ -104,7 +110,8 @@ def calibrate(
             times[kind] = min(samples) if samples else 0.0
         if pair is None:
             return None
-        t = comm.bcast(times if rank == pair[0] else None, root=pair[0])
+        with _waiting(comm, "Bcast of the timings"):
+            t = comm.bcast(times if rank == pair[0] else None, root=pair[0])
         moved = t["large"] - t["small"]
         return (
             t["step"],
@@ -122,12 +129,12 @@ def calibrate(
                 _shm.allreduce(v, seg, red)  # warm-up: the segment's pages are touched
             samples = []
             for _ in range(repeat):
-                comm.Barrier()
+                _barrier(comm)
                 t0 = time.perf_counter()
                 if seg is not None:
                     _shm.allreduce(v, seg, red)
                 samples.append(time.perf_counter() - t0)
-            times.append(comm.allreduce(min(samples) if seg is not None else 0.0, op=MPI.MAX))
+            times.append(_slowest(comm, min(samples) if seg is not None else 0.0))
         if not times[0]:
             return None
         q = max(lay.ranks_per_node)
@@ -141,10 +148,10 @@ def calibrate(
     if entry is not None:
         samples = []
         for _ in range(repeat):
-            comm.Barrier()
+            _barrier(comm)
             t0 = time.perf_counter()
             entry()
-            samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            samples.append(_slowest(comm, time.perf_counter() - t0))
         overhead = min(samples)
     defaults = Params()
     ai, bi, gamma = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra, defaults.gamma)
@@ -178,40 +185,116 @@ def _offsets(
     the least of ``batches`` barrier-aligned batches of ``calls`` calls, the slowest
     rank's) minus what its model predicts with ``prm`` (collective: plans are built)."""
     x, add = xp.zeros(_SMALL // 4, np.float32), reduction("sum", "float32", xp)
+    ctx = _context(comm)
     offsets = {}
     for name in MODELS:
         if name == "shm":  # its parameters are fitted to its own runs
             continue
-        run = PLANNERS[name](Request(comm, context(comm), lay, None))
+        with _waiting(ctx.comm, f"building the {name} plan"):  # it may split communicators
+            run = PLANNERS[name](Request(comm, ctx, lay, None))
         run(x, add)
         samples = []
         for _ in range(batches):
-            comm.Barrier()
+            _barrier(ctx.comm)
             t0 = time.perf_counter()
             for _ in range(calls):
                 run(x, add)
-            samples.append(comm.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX))
+            samples.append(_slowest(ctx.comm, (time.perf_counter() - t0) / calls))
         offsets[name] = min(samples) - MODELS[name](prm, lay, float(_SMALL), None)
     return offsets
+
+
+def _context(comm: MPI.Comm) -> Context:
+    """``comm``'s context (created on first use: a Dup on every rank)."""
+    with _waiting(comm, "Dup"):
+        return context(comm)
+
+
+def _barrier(comm: MPI.Comm) -> None:
+    with _waiting(comm, "Barrier"):
+        comm.Barrier()
+
+
+def _slowest(comm: MPI.Comm, seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (collective)."""
+    with _waiting(comm, "Allreduce of the timings"):
+        return comm.allreduce(seconds, op=MPI.MAX)
 
 
 def params_for(
     comm: MPI.Comm, lay: Layout, cache: dict, xp: Any = np, entry: Callable[[], None] | None = None
 ) -> Params:
-    """The parameters ``auto`` uses on ``comm`` for buffers of array module ``xp``:
-    for host buffers the file named by ``MPIDL_COSTMODEL`` if it exists, else
-    measured once (collective), cached, and written to that file if named;
-    for device buffers measured once and cached (``entry``: see :func:`calibrate`)."""
+    """The parameters ``auto`` uses on ``comm`` for buffers of array module ``xp``
+    (collective on first use per memory; cached in ``cache``).
+
+    For host buffers, rank 0 looks at the file named by its ``MPIDL_COSTMODEL``
+    and every rank uses what it found, so a path that exists on some nodes
+    only still gives every rank the same parameters. Where rank 0 finds no
+    such file the parameters are measured (:func:`calibrate`) and rank 0
+    writes them to it, atomically. A file that cannot be read, holds no valid
+    parameters or cannot be written raises ArgumentError on every rank,
+    naming the file and what is wrong. Device buffers are always measured
+    (``entry``: see :func:`calibrate`).
+    """
     key = ("costmodel", xp.__name__)
     prm = cache.get(key)
     if prm is None:
-        path = os.environ.get("MPIDL_COSTMODEL") if xp is np else None
-        if path and os.path.exists(path):
-            prm = Params.load(path)
-        else:
+        private = _context(comm).comm
+        path, prm = _on_rank0(private, _from_file) if xp is np else (None, None)
+        if prm is None:
             prm = calibrate(comm, lay, xp=xp, entry=entry)
             log.debug("calibrated cost model: %s", prm)
-            if path and comm.Get_rank() == 0:
-                prm.save(path)
+            if path:
+                _on_rank0(private, lambda: _to_file(prm, path))
         cache[key] = prm
     return prm
+
+
+def _from_file() -> tuple[str | None, Params | None]:
+    """The path named by ``MPIDL_COSTMODEL`` (None if unset) and the parameters in that
+    file (None if it does not exist)."""
+    path = os.environ.get("MPIDL_COSTMODEL") or None
+    if path is None:
+        return None, None
+    try:
+        return path, Params.load(path)
+    except FileNotFoundError:
+        return path, None
+    except (OSError, ValueError) as exc:
+        raise ArgumentError(f"MPIDL_COSTMODEL={path}: cannot use this cost-model file: {exc}") from None
+
+
+def _to_file(prm: Params, path: str) -> None:
+    try:
+        prm.save(path)
+    except OSError as exc:
+        raise ArgumentError(f"MPIDL_COSTMODEL={path}: cannot write the calibrated cost model: {exc}") from None
+
+
+def _on_rank0(comm: MPI.Comm, fn: Callable[[], _T]) -> _T:
+    """What ``fn`` returns on rank 0 of ``comm``, on every rank (collective); if it
+    raises ArgumentError there, every rank raises it."""
+    result: tuple[Any, ArgumentError | None] = (None, None)
+    if comm.Get_rank() == 0:
+        try:
+            result = (fn(), None)
+        except ArgumentError as exc:
+            result = (None, exc)
+    with _waiting(comm, "the cost-model file"):
+        value, error = comm.bcast(result, root=0)
+    if error is not None:
+        raise error
+    return value
+
+
+@contextmanager
+def _waiting(comm: MPI.Comm, what: str) -> Iterator[None]:
+    """Show the stall inspector (:mod:`collectives.transport.watchdog`) that this
+    thread waits in a collective of the calibration on all ranks of ``comm``."""
+    me = comm.Get_rank()
+    blocked = p2p.watch(comm, tuple(r for r in range(comm.Get_size()) if r != me))
+    operation, blocked.operation = blocked.operation, f"the cost model's calibration ({what})"
+    try:
+        yield
+    finally:
+        blocked.since, blocked.operation = 0.0, operation

@@ -54,8 +54,11 @@ a file instead of measuring).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -90,15 +93,55 @@ class Params:
         return (self.alpha_inter, self.beta_inter) if inter else (self.alpha_intra, self.beta_intra)
 
     def save(self, path: str) -> None:
-        """Write the parameters to ``path`` as JSON."""
-        with open(path, "w") as f:
-            json.dump(asdict(self), f, indent=1)
+        """Write the parameters to ``path`` as JSON, atomically: a reader sees the
+        old file or the whole new one (written to a temporary file in the same
+        directory, then renamed over ``path``)."""
+        directory, name = os.path.split(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(self), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
     @classmethod
     def load(cls, path: str) -> Params:
-        """Read parameters written by :meth:`save`."""
-        with open(path) as f:
-            return cls(**json.load(f))
+        """Read parameters written by :meth:`save` (absent fields take their defaults).
+
+        Raises:
+            OSError: the file cannot be read.
+            ValueError: it is not JSON, or not an object of known parameters of
+                the right types (finite numbers; ``offset`` maps algorithm names
+                to numbers; ``source`` is text), naming what is wrong.
+        """
+        with open(path, encoding="utf-8") as f:
+            try:
+                raw = json.load(f)
+            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"holds a JSON {type(raw).__name__}, not an object of parameters")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for key, value in raw.items():
+            if key not in fields:
+                raise ValueError(f"unknown parameter {key!r} (known: {', '.join(sorted(fields))})")
+            if key == "source":
+                if not isinstance(value, str):
+                    raise ValueError(f"'source' is {value!r}, not text")
+            elif key == "offset":
+                if not isinstance(value, dict):
+                    raise ValueError(f"'offset' is {value!r}, not an object of algorithm names and seconds")
+                for name, seconds in value.items():
+                    if name not in MODELS:
+                        raise ValueError(f"'offset' names {name!r}, not an algorithm ({', '.join(MODELS)})")
+                    _number(f"offset {name!r}", seconds)
+            else:
+                _number(repr(key), value)
+        return cls(**raw)
 
     def __str__(self) -> str:
         return (
@@ -108,6 +151,12 @@ class Params:
             f"alpha_shm={self.alpha_shm * 1e6:.2f}us beta_shm={self.beta_shm * 1e9:.3f}ns/B "
             f"offset={{{', '.join(f'{k}: {v * 1e6:+.1f}us' for k, v in self.offset.items())}}} ({self.source})"
         )
+
+
+def _number(what: str, value: object) -> None:
+    """Raise ValueError unless ``value`` is a finite number (not a bool, not text)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what} is {value!r}, not a finite number")
 
 
 # --- the algorithms as steps ------------------------------------------------
