@@ -15,14 +15,16 @@ Transport, one of two paths for the whole process:
 Either way the current CUDA stream is synchronised before MPI reads a device
 buffer, and before a received message overwrites one (a reduction kernel
 queued on the stream may still be reading it). The path starts as ``staged``, which always works. :func:`configure`
-(collective; called by the first device all-reduce on a communicator and by
-``mpidl.init()``) asks the library (``MPIX_Query_cuda_support``, where it
-exists) and, if it claims support, confirms it with a tiny device-buffer
-exchange and all-reduce checked against the expected values — some builds
-claim support and then fail or return garbage. Only if every rank passes does
-the path become ``direct``; otherwise it stays ``staged`` with one warning.
-``MPIDL_GPU_DIRECT=0`` forces staging; ``=1`` skips the library query (the
-probe still runs).
+(collective, once per communicator: called by the first device buffer
+communicated on a communicator, and by ``mpidl info`` and ``mpidl bench``)
+asks the library (``MPIX_Query_cuda_support``, where it exists) and, if it
+claims support, confirms it with a tiny device-buffer exchange and
+all-reduce checked against the expected values — some builds claim support
+and then fail or return garbage. Only if every rank passes does the path
+become ``direct``; otherwise it stays ``staged`` with one warning (a later
+probe on another communicator that fails turns ``direct`` into ``staged``,
+never back). ``MPIDL_GPU_DIRECT=0`` forces staging; ``=1`` skips the library
+query (the probe still runs).
 
 Host-only algorithms (the shared-memory all-reduce) run on a host copy of a
 device buffer (:func:`on_host`).
@@ -73,6 +75,7 @@ class Path:
 
 
 PATH = Path()
+_PROBED = MPI.Comm.Create_keyval()  # attribute: configure() has run on this communicator
 
 
 # --- buffers ------------------------------------------------------------------
@@ -320,35 +323,54 @@ def available() -> bool:
 
 
 def configure(comm: MPI.Comm) -> Path:
-    """Decide the device transport for this process, the same on every rank (collective).
+    """Decide the device transport for this process (collective over ``comm`` on
+    the first call with it; later calls with it return the decision).
 
-    Idempotent: later calls return the decision already made.
+    The probe is per communicator: every rank of ``comm`` takes part in it
+    the first time it is called with ``comm``, whatever other communicators
+    it probed on before, so a process probed on a sub-communicator still
+    joins the probe on the whole (it returned early and left the others
+    waiting). The transport is one for the process: ``direct`` while every
+    probe it took part in confirmed it, ``staged`` from the first that did
+    not. The ranks of ``comm`` decide alike: the probe runs only if every
+    rank may try it, and passes only if it passes on every rank.
     """
-    if PATH.probed:
+    if comm.Get_attr(_PROBED):
         return PATH
-    if not available():
-        PATH.mode, PATH.reason, PATH.probed = "none", "no CUDA device or CuPy not installed", True
-        return PATH
+    here = available()
     forced = os.environ.get("MPIDL_GPU_DIRECT", "").strip()
-    claims = query_cuda_support()
-    if forced == "0":
-        ok, why = False, "forced by MPIDL_GPU_DIRECT=0"
+    claims = query_cuda_support() if here else None
+    if not here:
+        why = "no CUDA device or CuPy not installed"
+    elif forced == "0":
+        why = "forced by MPIDL_GPU_DIRECT=0"
     elif claims is False and forced != "1":
-        ok, why = False, "MPIX_Query_cuda_support() = 0: the MPI library is not GPU-aware"
+        why = "MPIX_Query_cuda_support() = 0: the MPI library is not GPU-aware"
     else:
-        passed = _probe(comm)
-        ok = bool(comm.allreduce(passed, op=MPI.LAND))
-        said = {None: "the library has no MPIX_Query_cuda_support", True: "MPIX_Query_cuda_support() = 1"}[claims]
+        why = ""
+    ok = False
+    if comm.allreduce(not why, op=MPI.LAND):  # every rank may try the device path
+        ok = bool(comm.allreduce(_probe(comm), op=MPI.LAND))
+        said = {
+            None: "the library has no MPIX_Query_cuda_support",
+            True: "MPIX_Query_cuda_support() = 1",
+            False: "MPIX_Query_cuda_support() = 0, overridden by MPIDL_GPU_DIRECT=1",
+        }[claims]
         why = (
             f"{said}; confirmed by a device send/receive and all-reduce"
             if ok
             else f"{said}, but the device-buffer probe failed on some rank"
         )
-    ok = bool(comm.allreduce(ok, op=MPI.LAND))
-    _install("direct" if ok else "staged")
-    PATH.reason, PATH.probed = why if ok else f"{why}; staging through pinned host memory", True
-    if not ok and comm.Get_rank() == 0:
-        warnings.warn(f"mpidl: device buffers are staged through host memory: {PATH.reason}", stacklevel=2)
+    elif not why:
+        why = "another rank cannot use device buffers directly"
+    comm.Set_attr(_PROBED, True)
+    if not here:
+        PATH.mode, PATH.reason, PATH.probed = "none", why, True
+    elif not PATH.probed or (PATH.mode == "direct" and not ok):
+        _install("direct" if ok else "staged")
+        PATH.reason, PATH.probed = why if ok else f"{why}; staging through pinned host memory", True
+        if not ok and comm.Get_rank() == 0:
+            warnings.warn(f"mpidl: device buffers are staged through host memory: {PATH.reason}", stacklevel=2)
     return PATH
 
 
@@ -384,8 +406,9 @@ def on_host(x: Any, fn: Callable[[np.ndarray], None]) -> None:
 
 
 def ensure(comm: MPI.Comm, flat: FlatBuffer) -> None:
-    """Make sure a device path is chosen before ``flat`` (a device buffer) is communicated."""
-    if not PATH.probed and type(flat.data) is not np.ndarray:
+    """Make sure a device path is chosen before ``flat`` (a device buffer) is communicated
+    on ``comm`` (collective on the first device buffer with ``comm``: :func:`configure`)."""
+    if type(flat.data) is not np.ndarray and not comm.Get_attr(_PROBED):
         configure(comm)
     if PATH.mode == "none" and type(flat.data) is not np.ndarray:
         raise ArgumentError("a device buffer was given but no CUDA device is usable")
