@@ -209,8 +209,10 @@ def allreduce(
     Args:
         buf: a C-contiguous, writable numpy array or torch tensor of any
             shape, dtype one of float16, bfloat16 (torch), float32, float64,
-            int32, int64. Overwritten with the reduction over all ranks;
-            every rank ends with bitwise-identical contents.
+            int32, int64 (numpy subclasses such as ``np.memmap`` and
+            ``np.matrix`` too; masked arrays are refused). Overwritten with
+            the reduction over all ranks; every rank ends with
+            bitwise-identical contents.
         comm: the communicator (default ``MPI.COMM_WORLD``). Every rank of it
             must call with the same length, dtype, op, algorithm and options.
         op: one of "sum", "avg", "min", "max", "prod" ("avg" needs floats).

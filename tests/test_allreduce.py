@@ -61,6 +61,29 @@ def test_torch_tensor_any_shape_in_place() -> None:
     assert all_ok(comm, bool(torch.all(weight.detach() == expected)))
 
 
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "shm"])
+def test_numpy_subclasses_are_host_arrays(algorithm: str, tmp_path) -> None:
+    """np.memmap and np.matrix are host memory (they were taken for device buffers:
+    "a device buffer was given but no CUDA device is usable"); reduced in place,
+    returned as they are. A read-only memmap and a masked array are refused."""
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    total = sum(10.0**i for i in range(n))
+    mapped = np.memmap(tmp_path / "vector", dtype=np.float64, mode="w+", shape=(3, 4))
+    mapped[:] = 10.0**r
+    matrix = np.matrix(np.full((2, 5), 10.0**r))
+    ok = collectives.allreduce(mapped, comm, algorithm=algorithm) is mapped and bool(np.all(mapped == total))
+    ok &= collectives.allreduce(matrix, comm, algorithm=algorithm) is matrix and bool(np.all(matrix == total))
+    mapped.flush()
+    ok &= bool(np.all(np.fromfile(tmp_path / "vector") == total))  # reduced in the file's memory
+    assert all_ok(comm, ok)
+    with pytest.raises(collectives.ArgumentError, match="read-only"):
+        collectives.allreduce(np.memmap(tmp_path / "vector", dtype=np.float64, mode="r"), comm, algorithm=algorithm)
+    with pytest.raises(collectives.ArgumentError, match=r"masked array .* would ignore its mask"):
+        collectives.allreduce(np.ma.masked_array(np.ones(4), mask=[0, 1, 0, 0]), comm, algorithm=algorithm)
+
+
 def test_bfloat16_rounds_once_per_combine() -> None:
     """bfloat16 sums are computed in float32 and rounded to nearest even per step."""
     torch = pytest.importorskip("torch")

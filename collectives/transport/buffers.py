@@ -9,6 +9,10 @@ bfloat16 has no numpy dtype, so a bfloat16 tensor is carried as its raw
 ``uint16`` bits; ``FlatBuffer.dtype`` keeps the logical name and the reduction
 ops (:mod:`collectives.transport.ops`) know how to combine such bits.
 
+numpy subclasses are host arrays: an ``np.memmap`` or ``np.matrix`` is viewed as
+the plain array of its memory (reduced element-wise in place, as any array of
+its shape); a masked array is refused, since its mask would be ignored.
+
 Device buffers (CuPy arrays, CUDA tensors) enter through the same function once
 their adapter is registered in :data:`DEVICE_ADAPTERS`.
 """
@@ -140,8 +144,22 @@ def host_view(arr: np.ndarray) -> tuple[np.ndarray, str]:
 
 
 def _from_numpy(arr: np.ndarray, owner: Any) -> FlatBuffer:
+    if type(arr) is not np.ndarray:
+        arr = _plain(arr)
     data, name = host_view(arr)
     return FlatBuffer(data, name, owner)
+
+
+def _plain(arr: np.ndarray) -> np.ndarray:
+    """A numpy subclass's memory as a plain array (the collectives tell host memory by
+    its exact type): an ``np.memmap`` is host memory like any other, an ``np.matrix``
+    is its elements in order. A masked array is refused: its mask would be ignored."""
+    if isinstance(arr, np.ma.MaskedArray):
+        raise ArgumentError(
+            f"masked array (dtype {arr.dtype}, shape {arr.shape}): the reduction would ignore its mask; "
+            "pass arr.filled(value) or arr.data, then use the result"
+        )
+    return arr.view(np.ndarray)
 
 
 def _from_cpu_tensor(t: Any) -> FlatBuffer:
