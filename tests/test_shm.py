@@ -3,6 +3,7 @@ segment's life cycle, threads, and the bytes it counts."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -13,9 +14,10 @@ from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_qui
 
 import collectives
 from collectives import ArgumentError, api
-from collectives.kernels import shm
+from collectives.kernels import resident, shm
 from collectives.transport import p2p
 from collectives.transport.context import context
+from collectives.transport.ops import reduction
 
 pytestmark = pytest.mark.mpi
 
@@ -171,6 +173,59 @@ def test_segment_allocated_once_and_freed_with_the_communicator() -> None:
     assert len(segments) == (comm.Get_size() > 1)
     comm.Free()
     assert all(s._raw is None for s in segments) and not ctx.cache
+
+
+def shared_directory(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A new directory of rank 0's, the same path on every rank."""
+    comm = MPI.COMM_WORLD
+    return comm.bcast(str(tmp_path_factory.mktemp("shm")) if comm.rank == 0 else None)
+
+
+def test_shared_vectors_have_no_file(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared vectors' memory is a file without a name: none in its directory while
+    the ranks map and use it."""
+    directory = shared_directory(tmp_path_factory)
+    monkeypatch.setattr(resident, "SHM_DIR", directory)
+    comm = context(MPI.COMM_WORLD).comm
+    vectors = resident.SharedVectors(comm, 10, np.int64)
+    try:
+        vectors.mine[:] = comm.rank
+        vectors.allreduce(0, 10, reduction("sum", "int64"))
+        n = comm.size
+        ok = bool(np.all(vectors.mine == n * (n - 1) // 2)) and os.listdir(directory) == []
+    finally:
+        vectors.free()
+    assert all_ok(MPI.COMM_WORLD, ok)
+
+
+#: A rank dies while the shared vectors are allocated: rank 1 when it opens the
+#: file rank 0 made, or rank 0 right after it made it.
+DIES_IN_ALLOCATION = """
+import os, signal, sys
+import numpy as np
+from mpi4py import MPI
+from collectives.kernels import resident
+from collectives.transport.context import context
+from collectives.transport.ops import reduction
+resident.SHM_DIR, victim = sys.argv[1], int(sys.argv[2])
+comm = context(MPI.COMM_WORLD).comm
+die = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+if comm.rank == victim == 1:
+    os.open = die
+elif comm.rank == victim == 0:
+    os.ftruncate = die
+resident.SharedVectors(comm, 1000, np.float32)
+"""
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_no_file_left_when_a_rank_dies_in_allocation(victim: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The file had a name until every rank had opened it: a rank killed in between left
+    it behind (the CHANGELOG promised no file left behind)."""
+    directory = shared_directory(tmp_path_factory)
+    run = on_rank0_quietly(mpiexec, 2, ["-c", DIES_IN_ALLOCATION, directory, str(victim)], timeout=60)
+    assert run.returncode != 0 and "signal 9" in run.stdout + run.stderr, run.stdout[-2000:] + run.stderr[-2000:]
+    assert os.listdir(directory) == []
 
 
 def test_concurrent_communicators_on_threads() -> None:

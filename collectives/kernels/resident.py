@@ -48,6 +48,7 @@ sliced reduction, here in place).
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import tempfile
@@ -63,7 +64,7 @@ from ..transport.ops import Reduction
 from .shm import Segment
 
 _ALIGN = 64  # each rank's vector starts on its own cache line
-#: Where the shared vectors' file lives while the ranks map it: a memory file system.
+#: The file system of the shared vectors' (unnamed) file: a memory file system.
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 #: Bytes combined at a time: each block is folded, finished and copied out while it is in cache.
 BLOCK = 256 << 10
@@ -157,43 +158,60 @@ class SharedVectors:
 
 def node_memory(comm: MPI.Comm, stride: int) -> mmap.mmap:
     """``stride`` bytes per rank of ``comm`` (one node's ranks), rank r's at ``r * stride``,
-    zero-filled, in one mapping of a file in :data:`SHM_DIR` that every rank maps;
-    collective. Each rank allocates its own stride (first touch: on its NUMA node).
-    The file is unlinked once mapped (no leftover after a crash), and the mapping
-    lasts as long as an array views it: an array kept past :meth:`SharedVectors.free`
-    stays valid.
+    zero-filled, in one mapping that every rank maps; collective. Each rank allocates
+    its own stride (first touch: on its NUMA node). The mapping lasts as long as an
+    array views it: an array kept past :meth:`SharedVectors.free` stays valid.
+
+    The memory is a file in :data:`SHM_DIR` that never has a name (:func:`_unnamed`):
+    rank 0 creates it, and the others open it through rank 0's descriptor
+    (``/proc/PID/fd/FD``, Linux). So nothing is left behind whichever rank dies
+    when, and no other process can open it by name.
 
     Raises:
-        OSError: on every rank, when a rank could not create, map or allocate it (e.g.
-            a full ``/dev/shm``), with that rank's error.
+        OSError: on every rank, when a rank could not create, open, map or allocate it
+            (e.g. a full ``/dev/shm``), with that rank's error.
     """
     rank, nbytes = comm.Get_rank(), stride * comm.Get_size()
-    path, problem, memory = None, None, None
+    fd, where, problem, memory = -1, None, None, None
     if rank == 0:
         try:
-            fd, path = tempfile.mkstemp(prefix="mpidl-", dir=SHM_DIR)
+            fd = _unnamed(SHM_DIR)
             os.ftruncate(fd, nbytes)
-            os.close(fd)
+            where = f"/proc/{os.getpid()}/fd/{fd}"
         except OSError as exc:
             problem = str(exc)
-    path, problem = comm.bcast((path, problem), root=0)
+    where, problem = comm.bcast((where, problem), root=0)
     if problem is None:
         try:
-            fd = os.open(path, os.O_RDWR)
+            mine = fd if rank == 0 else os.open(where, os.O_RDWR)
             try:
                 if hasattr(os, "posix_fallocate"):
-                    os.posix_fallocate(fd, rank * stride, stride)
-                memory = mmap.mmap(fd, nbytes)
+                    os.posix_fallocate(mine, rank * stride, stride)
+                memory = mmap.mmap(mine, nbytes)
             finally:
-                os.close(fd)
+                if mine != fd:
+                    os.close(mine)
         except OSError as exc:
             problem = f"rank {rank}: {exc}"
     problems = [p for p in comm.allgather(problem) if p]
-    if rank == 0 and path is not None:
-        os.unlink(path)
+    if fd >= 0:  # every rank has opened the file through it
+        os.close(fd)
     if problems or memory is None:
         raise OSError(f"cannot allocate {nbytes} bytes of shared memory in {SHM_DIR}: {problems[0]}")
     return memory
+
+
+def _unnamed(directory: str) -> int:
+    """A new file in ``directory``'s file system, open for reading and writing, that has no
+    name: ``O_TMPFILE``; where the file system lacks it, a named file unlinked at once."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    fd, path = tempfile.mkstemp(prefix="mpidl-", dir=directory)
+    os.unlink(path)
+    return fd
 
 
 def _segments(lo: int, hi: int, pieces: Sequence[tuple[int, Any]]) -> list[tuple[int, int, Any]]:
