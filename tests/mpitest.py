@@ -65,15 +65,22 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def mpiexec(
-    n: int, args: Sequence[str], timeout: float = 300, hosts: str | None = None, env: dict[str, str] | None = None
+    n: int,
+    args: Sequence[str],
+    timeout: float = 300,
+    hosts: str | None = None,
+    env: dict[str, str] | None = None,
+    options: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
     """Run ``python args...`` on ``n`` ranks under a fresh mpiexec and return the result.
 
     ``hosts`` (e.g. "a:2,b:2") makes MPICH's launcher emulate several nodes on
-    this machine. Output is captured; the run is killed after ``timeout`` s.
+    this machine; ``options`` go to mpiexec (e.g. ``-disable-auto-cleanup``: a
+    rank that ends does not end the others). Output is captured; the run is
+    killed after ``timeout`` s.
     """
     launcher = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    cmd = [launcher, "-n", str(n)]
+    cmd = [launcher, *options, "-n", str(n)]
     if hosts:
         cmd += ["-launcher", "fork", "-hosts", hosts]
     cmd += [sys.executable, *args]

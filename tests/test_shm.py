@@ -4,6 +4,7 @@ segment's life cycle, threads, and the bytes it counts."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import numpy as np
@@ -226,6 +227,46 @@ def test_no_file_left_when_a_rank_dies_in_allocation(victim: int, tmp_path_facto
     run = on_rank0_quietly(mpiexec, 2, ["-c", DIES_IN_ALLOCATION, directory, str(victim)], timeout=60)
     assert run.returncode != 0 and "signal 9" in run.stdout + run.stderr, run.stdout[-2000:] + run.stderr[-2000:]
     assert os.listdir(directory) == []
+
+
+#: Rank 1 ends (os._exit, no MPI_Finalize) between two shared-memory all-reduces; each
+#: other rank prints the error it got and how long after that end, then ends the job.
+PEER_ENDS = """
+import os, sys, time
+import numpy as np
+from mpi4py import MPI
+import collectives
+comm = MPI.COMM_WORLD
+x = np.ones(1000)
+try:
+    for step in range(100000):
+        if step == 5 and comm.rank == 1:
+            with open(sys.argv[1], "w") as f:
+                f.write(repr(time.time()))
+            os._exit(0)
+        collectives.allreduce(x, comm, algorithm="shm")
+except collectives.CollectiveError as exc:
+    with open(sys.argv[1]) as f:
+        print(f"rank {comm.rank} after {time.time() - float(f.read()):.1f} s: {exc}", flush=True)
+comm.Abort(7)
+"""
+
+
+def test_peer_that_ended_is_reported_not_waited_for(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A rank that waits in the segment for a peer whose process has ended raises
+    CollectiveError naming it within seconds (it spun forever when the stall limit was
+    off, its default). MPICH's launcher ends the job itself when a rank ends before
+    MPI_Finalize (with status 0 too), so this runs with its clean-up off, as launchers
+    that leave the other ranks running do."""
+    stamp = shared_directory(tmp_path_factory) + "/ended"
+    run = on_rank0_quietly(mpiexec, 3, ["-c", PEER_ENDS, stamp], timeout=60, options=["-disable-auto-cleanup"])
+    out = run.stdout + run.stderr
+    for rank in (0, 2):
+        found = re.search(
+            rf"rank {rank} after ([\d.]+) s: mpidl: rank 1 of MPI_COMM_WORLD \(process \d+, on this node\) has ended",
+            out,
+        )
+        assert found and float(found.group(1)) < 2 + 10 * shm.ALIVE_EVERY, out[-3000:]
 
 
 def test_concurrent_communicators_on_threads() -> None:

@@ -53,7 +53,11 @@ orders the data writes before the counter and the reads after it. A buffer is
 written again only two pieces later, after a barrier every rank reaches only
 once it has finished reading it. A waiting rank spins briefly, then yields
 the core (oversubscribed nodes), and is watched by the stall inspector
-(:mod:`collectives.transport.watchdog`).
+(:mod:`collectives.transport.watchdog`). The ranks post their process ids at
+creation; every :data:`ALIVE_EVERY` seconds of waiting a rank makes sure the
+peer it waits for still exists, and raises
+:class:`~collectives.errors.CollectiveError` naming it if it has ended (a
+launcher may leave the others running), instead of waiting forever.
 
 Reference: MPI-3.1 section 11.2.3 (shared-memory windows) and 11.7
 (the unified memory model); Li, Hoefler & Snir, "NUMA-aware shared-memory
@@ -65,11 +69,13 @@ reductions); Jain et al., "Optimizing MPI Collectives with Shared Memory",
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import CollectiveError
 from ..topology.hierarchy import node_comms
 from ..topology.layout import Layout, detected
 from ..transport import p2p
@@ -87,6 +93,9 @@ HEADER = 48
 
 _LINE = 64  # one cache line per counter: no false sharing while peers poll
 _SPINS = 200  # polls before a waiting rank starts yielding the core
+
+#: Seconds between checks, while a rank waits for a peer, that the peer's process exists.
+ALIVE_EVERY = 1.0
 
 #: A check run after the first barrier (every rank's header is posted); it
 #: raises to abandon the call with the caller's buffer untouched.
@@ -123,14 +132,26 @@ class Segment:
         self._data = control
         self._count = 0
         self._counters[self._mine] = 0
+        self._counters[self._mine + 1] = os.getpid()  # on the counter's line, after it
         self._win.Sync()
         comm.Barrier()
+        self._win.Sync()
+        # Peers' processes, by counter index, where this rank can see them (one PID namespace).
+        self._pids = {i: pid for i in self._peers if _alive(pid := self._counters[i + 1])}
+        self._lost: CollectiveError | None = None  # set once a peer has ended
         self._turn = 0
         self._views: dict[tuple[int, int, np.dtype], _Views] = {}
 
     def barrier(self) -> None:
         """Wait until every rank of the node has reached this barrier; what a rank
-        wrote to the segment before it is visible to all after it."""
+        wrote to the segment before it is visible to all after it.
+
+        Raises:
+            CollectiveError: a peer's process ended before it reached the barrier
+                (checked every :data:`ALIVE_EVERY` seconds of waiting), now or before.
+        """
+        if self._lost is not None:
+            raise self._lost
         self._win.Sync()
         self._count += 1
         count, counters = self._count, self._counters
@@ -141,16 +162,33 @@ class Segment:
         self._win.Sync()
 
     def _wait(self, i: int, count: int) -> None:
+        """Wait until counter ``i`` reaches ``count``: spin, then yield the core; every
+        :data:`ALIVE_EVERY` seconds make sure the peer's process still exists."""
         counters = self._counters
         for _ in range(_SPINS):
             if counters[i] >= count:
                 return
         blocked = p2p.watch(self.comm, (i * 8 // _LINE,))
+        pid, due = self._pids.get(i), time.monotonic() + ALIVE_EVERY
         try:
             while counters[i] < count:
                 os.sched_yield()
+                if pid is not None and time.monotonic() > due:
+                    if not _alive(pid) and counters[i] < count:
+                        self._dead(i * 8 // _LINE, pid)
+                    due = time.monotonic() + ALIVE_EVERY
         finally:
             blocked.since = 0.0
+
+    def _dead(self, rank: int, pid: int) -> None:
+        """Raise the error of a peer (``rank`` of the node) whose process has ended; the
+        segment is lost (it raises again on every use)."""
+        world = p2p.world_ranks(self.comm)[rank]
+        self._lost = CollectiveError(
+            f"mpidl: rank {world} of MPI_COMM_WORLD (process {pid}, on this node) has ended in the middle of "
+            f"a shared-memory collective; rank {MPI.COMM_WORLD.Get_rank()} cannot finish it"
+        )
+        raise self._lost
 
     def post(self, header: bytes) -> None:
         """Write this rank's argument header of :data:`HEADER` bytes (every rank
@@ -188,13 +226,16 @@ class Segment:
             raise
 
     def free(self) -> None:
-        """Release the window (collective over the node communicator)."""
+        """Release the window (collective over the node communicator; after a peer
+        ended, :meth:`_wait`, it is left to the process's end: freeing would wait
+        for the peer)."""
         self._views.clear()
         self._counters.release()
         self._headers.release()
         self._raw = None
         self._win.Unlock_all()
-        self._win.Free()
+        if self._lost is None:
+            self._win.Free()
 
 
 class _Views:
@@ -310,6 +351,23 @@ def hierarchical(x: Any, seg: Segment | None, leaders: MPI.Comm, red: Reduction)
         ring.allreduce(x, leaders, red)
     if seg is not None:
         broadcast(x, seg)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: whether the process exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 def shared(ctx: Context) -> Segment | None:
