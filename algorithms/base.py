@@ -24,9 +24,10 @@ Construction is collective over ``comm``: the model is flattened
 (:mod:`algorithms.flat`), the configuration is checked across ranks (same
 algorithm, options, model length and dtype on every rank, else the same
 :class:`~collectives.ArgumentError` on every rank; ``validate=False`` skips
-the check), sub-communicators and service threads are set up, and rank 0's
-parameters are broadcast so that every worker starts from the same model
-(``broadcast_init=False`` keeps each worker's own). Steps then run their
+the check), rank 0's parameters are broadcast so that every worker starts
+from the same model (``broadcast_init=False`` keeps each worker's own), and
+then sub-communicators and service threads are set up (so that no thread
+serves a model the broadcast has yet to write). Steps then run their
 collectives unchecked (``validate=False``): the arguments are the same every
 step and were checked once.
 
@@ -186,9 +187,9 @@ class Algorithm(ABC):
         elif problem:
             raise problem
         gpu.ensure(context(self.comm).comm, as_flat(self.flat.params))  # a device model: pick the transport now
-        self._start()
-        if broadcast_init:
+        if broadcast_init:  # before _start(): no service thread may touch the parameters meanwhile
             collectives.broadcast(self.flat.state, self.comm, validate=False)
+        self._start()
         if hasattr(optimizer, "register_step_post_hook"):  # a torch optimizer stepped by the caller
             self._step_hook = optimizer.register_step_post_hook(self._optimizer_stepped)
 
