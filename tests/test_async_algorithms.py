@@ -146,6 +146,22 @@ def test_adpsgd_serves_only_after_the_initial_broadcast(monkeypatch: pytest.Monk
     assert all_ok(comm, total == n * x.size and bool(np.all(x == 1.0))), total
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_adpsgd_with_an_empty_model(size: int) -> None:
+    """A model without parameters has nothing to average: steps and settle() return on
+    every rank (the empty request was read as an end marker, and the active worker waited
+    for an answer forever), with nothing sent."""
+    comm = comm_of_size(size)
+    x = np.zeros(0)
+    with algorithms.ADPSGD(x, SGD(x, lr=0.1), comm) as algo:
+        for _ in range(3):
+            algo.step(np.zeros(0))
+        algo.settle()
+        ok = algo.iterations == 3 and algo.bytes_sent == 0 and algo.averagings == 0
+    assert all_ok(MPI.COMM_WORLD, ok)
+
+
 def test_adpsgd_refuses_a_graph_that_is_not_bipartite() -> None:
     comm = comm_of_size(3)
     if comm.Get_size() != 3:
