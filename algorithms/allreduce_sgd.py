@@ -50,7 +50,9 @@ gradients back into private memory. Without overlap, with a plain
 :mod:`algorithms.fused_sgd`): the parameters and momentum live in shared memory
 too, and the rank that averages a block of a bucket applies SGD's rule to it
 for every rank, while it is in cache; the same bits as the optimizer's step,
-its 5n element accesses per rank become 2n + 2n/q.
+its 5n element accesses per rank become 2n + 2n/q. Not where the workers keep
+their own models (``broadcast_init=False``: one update does not fit them
+all).
 
 Gradient accumulation over several backward passes: all but the last run
 inside :meth:`AllReduceSGD.no_sync`, which keeps them from reporting; a
@@ -164,9 +166,10 @@ class AllReduceSGD(Algorithm):
         fuse_update: with the gradients in shared memory and no overlap, each rank
             applies the SGD update to the part of every bucket it reduces, for every
             rank (:mod:`algorithms.fused_sgd`: the same bits, a fraction of the
-            memory traffic). None: wherever that holds and the optimizer is a
-            plain ``torch.optim.SGD`` (:func:`~algorithms.fused_sgd.unfusable`);
-            True: there, else an ArgumentError saying why not.
+            memory traffic). None: wherever that holds, the optimizer is a
+            plain ``torch.optim.SGD`` (:func:`~algorithms.fused_sgd.unfusable`)
+            and every worker starts from one model (``broadcast_init``); True:
+            there, else an ArgumentError saying why not.
 
     Attributes:
         choice: for "auto", the cost model's choice for the whole model's size
@@ -215,6 +218,7 @@ class AllReduceSGD(Algorithm):
         self.local_momentum: LocalMomentum | None = None
         self.fuse_update_arg = fuse_update
         self.fused_update: SharedSGD | None = None
+        self._own_models = not common.get("broadcast_init", True)
         self._background: Background | None = None
         self._shared: SharedVectors | None = None
         self._hooks: list[Any] = []
@@ -283,6 +287,11 @@ class AllReduceSGD(Algorithm):
             return "the gradient is compressed"
         if self.overlap_arg:
             return "the buckets are all-reduced during backward (overlap)"
+        if self._own_models:
+            return (
+                "the workers keep their own models (broadcast_init=False), and the rank that reduces "
+                "a block would write its own update of it into every worker's model"
+            )
         return unfusable(self.optimizer)
 
     def _resolve_local_momentum(self) -> bool:

@@ -48,7 +48,8 @@ step counts the all-reduce's bytes, as unfused.
 
 Only ``torch.optim.SGD`` without ``fused`` or ``differentiable`` qualifies
 (:func:`unfusable`); AllReduce-SGD uses it where every bucket is all-reduced in
-shared memory on the calling thread (:mod:`algorithms.allreduce_sgd`).
+shared memory on the calling thread and every worker holds the same model
+(:mod:`algorithms.allreduce_sgd`).
 """
 
 from __future__ import annotations

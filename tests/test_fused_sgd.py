@@ -191,3 +191,32 @@ def test_shared_memory_that_cannot_be_allocated_fails_on_every_rank(monkeypatch:
     except OSError as exc:
         message = str(exc)
     assert all_ok(MPI.COMM_WORLD, "cannot allocate" in message and "/nonexistent/mpidl" in message), message
+
+
+def test_workers_with_their_own_models_are_not_fused() -> None:
+    """broadcast_init=False, each worker its own initial model: the update is not fused (the
+    rank that reduces a block would write its own parameters into every worker's), so the
+    steps give the bits of fuse_update=False; fuse_update=True says why not, on every rank."""
+    comm = MPI.COMM_WORLD
+
+    def run(fuse: bool | None) -> tuple[list, bool]:
+        model, opt = model_and_optimizer({"momentum": 0.9})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + comm.Get_rank())
+        with algorithms.AllReduceSGD(
+            model, opt, comm, fuse_update=fuse, bucket_mb=SMALL_BUCKETS, broadcast_init=False
+        ) as algo:
+            for step in range(3):
+                algo.zero_grad()
+                backward(model, comm, step)
+                algo.step()
+            return snapshot(algo), algo.fused_update is not None
+
+    (own, fused), (plain, _) = run(None), run(False)
+    ok = not fused and all(torch.equal(a, b) for a, b in zip(own, plain))
+    ok &= comm.Get_size() == 1 or len(set(comm.allgather(own[0].numpy().tobytes()))) == comm.Get_size()
+    model, opt = model_and_optimizer({"momentum": 0.9})
+    with pytest.raises(ArgumentError, match=r"fuse_update=True, but the workers keep their own models"):
+        algorithms.AllReduceSGD(model, opt, comm, fuse_update=True, broadcast_init=False)
+    assert all_ok(comm, ok)
