@@ -52,7 +52,9 @@ too, and the rank that averages a block of a bucket applies SGD's rule to it
 for every rank, while it is in cache; the same bits as the optimizer's step,
 its 5n element accesses per rank become 2n + 2n/q. Not where the workers keep
 their own models (``broadcast_init=False``: one update does not fit them
-all).
+all), and not where shared memory has no room for the parameters and
+momentum besides the gradients (a small ``/dev/shm``: the update runs
+unfused, and rank 0 warns).
 
 Gradient accumulation over several backward passes: all but the last run
 inside :meth:`AllReduceSGD.no_sync`, which keeps them from reporting; a
@@ -98,6 +100,7 @@ Li et al., "PyTorch Distributed", VLDB 2020.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -168,8 +171,11 @@ class AllReduceSGD(Algorithm):
             rank (:mod:`algorithms.fused_sgd`: the same bits, a fraction of the
             memory traffic). None: wherever that holds, the optimizer is a
             plain ``torch.optim.SGD`` (:func:`~algorithms.fused_sgd.unfusable`)
-            and every worker starts from one model (``broadcast_init``); True:
-            there, else an ArgumentError saying why not.
+            and every worker starts from one model (``broadcast_init``), and
+            unfused, with a warning on rank 0, where shared memory has no room
+            for the parameters and momentum (a small ``/dev/shm``); True:
+            there, else an ArgumentError saying why not (an OSError on every
+            rank where the memory lacks).
 
     Attributes:
         choice: for "auto", the cost model's choice for the whole model's size
@@ -374,7 +380,17 @@ class AllReduceSGD(Algorithm):
                 raise ArgumentError(f"fuse_update=True, but {why}")
             return
         assert isinstance(self.flat, TorchFlatParams)  # else unfusable
-        self.fused_update = SharedSGD(context(self._comm).comm, self.optimizer, self.flat, self._bucketed)
+        try:
+            self.fused_update = SharedSGD(context(self._comm).comm, self.optimizer, self.flat, self._bucketed)
+        except OSError as exc:  # raised on every rank (node_memory): every rank falls back
+            if self.fuse_update_arg:
+                raise
+            if self.rank == 0:
+                warnings.warn(
+                    "mpidl: the SGD update is not fused with the all-reduce, which needs the parameters "
+                    f"and momentum in shared memory too: {exc}",
+                    stacklevel=2,
+                )
 
     def _resident(self) -> bool:
         """Whether the gradients can live in shared memory (module docstring): a torch
