@@ -97,18 +97,20 @@ class ErrorFeedback:
         ``allreduce(buf, comm, op, residual=e, server=s)`` (``e`` and ``s`` the
         memories' elements ``offset`` to ``offset + len(buf)``, so that buckets
         of one gradient share one memory); without it, the compressor's
-        ``allreduce`` alone.
-        ``buf`` ends bitwise identical on all ranks. ``validate`` defaults to
-        off: a training step's arguments are the same every step.
+        ``allreduce`` alone. ``buf`` ends bitwise identical on all ranks. The
+        arguments are checked before ``buf`` changes: a call refused with an
+        ArgumentError leaves ``buf`` and the memories as they were. ``validate``
+        defaults to off: a training step's arguments are the same every step.
         """
         if self._flat is None:
             return self.compressor.allreduce(buf, comm, op, algorithm=algorithm, validate=validate)
         flat = as_flat(buf)
         memory = self._slice(self.residual, offset, flat.size)
         server = None if self.server is None else self._slice(self.server, offset, flat.size)
+        self.compressor.check(buf, comm, op, residual=memory, server=server, algorithm=algorithm, validate=validate)
         reduction("sum", flat.dtype, array_module(flat.data)).combine(flat.data, as_flat(memory).data)
         return self.compressor.allreduce(
-            buf, comm, op, residual=memory, server=server, algorithm=algorithm, validate=validate
+            buf, comm, op, residual=memory, server=server, algorithm=algorithm, validate=False
         )
 
     def reset(self) -> None:

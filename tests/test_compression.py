@@ -224,6 +224,29 @@ def test_error_feedback_conserves_the_signal(spec: str, aggregation: str, monkey
     assert all_ok(comm, spread(comm, applied) == 0)  # bitwise identical on all ranks
 
 
+def test_error_feedback_refuses_before_it_changes_anything() -> None:
+    """Calls the compressor refuses (an op it has not, an unknown all-reduce algorithm, a
+    buffer of another dtype than the memory; one rank's op, checked across ranks) raise
+    ArgumentError on every rank and leave the caller's buffer and the memory as they were."""
+    comm, r = WORLD, WORLD.Get_rank()
+    ef = ErrorFeedback("topk:0.25", np.zeros(8), enabled=True)
+    ef.allreduce(np.arange(8.0) - 3, MPI.COMM_SELF)  # a memory to keep
+    residual = ef.residual.copy()
+    calls = [
+        (np.ones(8), {"comm": MPI.COMM_SELF, "op": "max"}, "supports ops sum, avg"),
+        (np.ones(8), {"comm": MPI.COMM_SELF, "algorithm": "nope"}, "unknown algorithm 'nope'"),
+        (np.ones(8, np.float32), {"comm": MPI.COMM_SELF}, "the residual .* must match"),
+        (np.ones(8), {"comm": comm, "op": "max" if r == 0 else "avg", "validate": True}, "disagree|not 'max'"),
+    ]
+    ok = bool(np.any(residual))
+    for buf, options, match in calls:
+        before = buf.copy()
+        with pytest.raises(ArgumentError, match=match):
+            ef.allreduce(buf, **options)
+        ok &= np.array_equal(buf, before) and buf.dtype == before.dtype and np.array_equal(ef.residual, residual)
+    assert all_ok(comm, ok)
+
+
 def test_error_feedback_defaults_switch_and_reset() -> None:
     torch = pytest.importorskip("torch")
     for name, cls in compression.COMPRESSORS.items():
