@@ -224,6 +224,41 @@ def test_error_feedback_conserves_the_signal(spec: str, aggregation: str, monkey
     assert all_ok(comm, spread(comm, applied) == 0)  # bitwise identical on all ranks
 
 
+@pytest.mark.parametrize("spec", ["topk:0.05", "sign", "powersgd:2", "fp16"])
+def test_a_non_finite_step_leaves_error_feedback_as_it_was(spec: str) -> None:
+    """The last rank's gradient holds an inf at step 2, rank 0's a NaN at step 4 (overflows,
+    which a GradScaler answers by skipping the step): those steps' aggregates are NaN on every
+    rank, and the memories (residual, server) and the compressor's state (PowerSGD's warm
+    start) stay as they were, so every other step's aggregate is finite and bitwise what a
+    run without the two steps gives, and so are the final memories."""
+    comm, n, r = WORLD, WORLD.Get_size(), WORLD.Get_rank()
+    d, steps, skipped = 700, 7, {2: (n - 1, np.inf), 4: (0, np.nan)}
+
+    def run(skip: bool) -> tuple[list[np.ndarray], ErrorFeedback]:
+        ef = ErrorFeedback(build(spec, d), np.zeros(d, np.float32), enabled=True)
+        out = []
+        for t in range(steps):
+            if skip and t in skipped:
+                continue
+            g = (np.random.default_rng([r, t]).standard_normal(d) * (1 + np.arange(d) % 5)).astype(np.float32)
+            rank, value = skipped.get(t, (-1, 0.0))
+            if r == rank:
+                g[d // 3] = value
+            ef.allreduce(g, comm, algorithm="ring")
+            out.append(g)
+        return out, ef
+
+    (poisoned, ef), (clean, reference) = run(False), run(True)
+    ok = all(bool(np.isnan(poisoned[t]).all()) for t in skipped)
+    kept = [a for t, a in enumerate(poisoned) if t not in skipped]
+    ok &= all(bool(np.isfinite(a).all()) and np.array_equal(a, b) for a, b in zip(kept, clean))
+    for key in ("residual", "server"):
+        mine, theirs = getattr(ef, key), getattr(reference, key)
+        ok &= (mine is None) == (theirs is None) and (mine is None or np.array_equal(mine, theirs))
+    ok &= ef.server is not None or spec != "fp16"  # fp16 aggregates by reduce-scatter: a server memory
+    assert all_ok(comm, ok)
+
+
 def test_error_feedback_refuses_before_it_changes_anything() -> None:
     """Calls the compressor refuses (an op it has not, an unknown all-reduce algorithm, a
     buffer of another dtype than the memory; one rank's op, checked across ranks) raise
