@@ -13,8 +13,8 @@ from mpi4py import MPI
 from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly, spread
 
 import collectives
-from algorithms.error_feedback import ErrorFeedback
-from collectives import ArgumentError, NeighborWeights, compression
+from algorithms.error_feedback import ErrorFeedback, finite
+from collectives import ArgumentError, NeighborWeights, as_flat, compression
 from collectives.compression.aggregate import chunks
 from collectives.compression.timing import mlp_shapes
 from collectives.transport import gpu
@@ -257,6 +257,28 @@ def test_a_non_finite_step_leaves_error_feedback_as_it_was(spec: str) -> None:
         ok &= (mine is None) == (theirs is None) and (mine is None or np.array_equal(mine, theirs))
     ok &= ef.server is not None or spec != "fp16"  # fp16 aggregates by reduce-scatter: a server memory
     assert all_ok(comm, ok)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_finite_tells_every_non_finite_value(dtype: str) -> None:
+    """error_feedback.finite on buffers of every float dtype (bfloat16 as its bits): the
+    largest and smallest finite values, zeros of both signs and subnormals are finite; an
+    inf, a -inf or a NaN of either sign anywhere is not."""
+    torch = pytest.importorskip("torch")
+    kind = getattr(torch, dtype)
+    info = torch.finfo(kind)
+    finite_values = [info.max, -info.max, 0.0, -0.0, info.tiny / 2, -info.tiny / 2, 1.0]
+    ok = finite(as_flat(torch.tensor(finite_values, dtype=kind))) and finite(as_flat(torch.zeros(0, dtype=kind)))
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(kind, torch.int16)
+    for bad, negative in ((math.inf, False), (-math.inf, False), (math.nan, False), (math.nan, True)):
+        for at in (0, 3, 6):
+            values = torch.tensor(finite_values, dtype=kind)
+            values[at] = bad
+            if negative:  # the sign bit set on the NaN (torch's arithmetic would drop it for bfloat16)
+                values.view(bits)[at] |= torch.iinfo(bits).min
+            ok &= bool(torch.isnan(values[at]) or torch.isinf(values[at])) and not finite(as_flat(values))
+            ok &= not negative or bool(torch.signbit(values[at]))
+    assert ok
 
 
 def test_error_feedback_refuses_before_it_changes_anything() -> None:
