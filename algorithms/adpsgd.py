@@ -48,6 +48,8 @@ every averaging weighs the pair 1/2, 1/2.
 Messages, on a private duplicate of the communicator: a request carrying the
 active worker's model (m bytes) and the passive worker's reply with its model
 (m bytes); an empty message marks the end of a phase (:meth:`ADPSGD.settle`).
+A model without parameters or buffers (m = 0) has nothing to average: its
+workers step alone, with neither averaging thread nor server.
 Each worker sends m bytes per averaging it takes part in. Cost of an
 averaging: 2 (alpha + m beta) + m gamma, plus up to a poll interval of the
 server (:class:`collectives.transport.p2p.Backoff`, at most 250 us, which leaves the
@@ -160,7 +162,7 @@ class ADPSGD(Algorithm):
         self._lock = threading.Lock()
         self._red = reduction("avg", self.flat.dtype, array_module(self.flat.state_data))
         self._rng = np.random.default_rng([self.seed, self.rank])
-        if not self.peers:
+        if not self.peers or not self.flat.state_data.shape[0]:  # no neighbor, or nothing to average
             return
         if self.active:
             self._background = Background(f"adpsgd-averaging-rank{self.rank}", gpu.device_of(self.flat.state_data))

@@ -50,7 +50,11 @@ gradients back into private memory. Without overlap, with a plain
 :mod:`algorithms.fused_sgd`): the parameters and momentum live in shared memory
 too, and the rank that averages a block of a bucket applies SGD's rule to it
 for every rank, while it is in cache; the same bits as the optimizer's step,
-its 5n element accesses per rank become 2n + 2n/q.
+its 5n element accesses per rank become 2n + 2n/q. Not where the workers keep
+their own models (``broadcast_init=False``: one update does not fit them
+all), and not where shared memory has no room for the parameters and
+momentum besides the gradients (a small ``/dev/shm``: the update runs
+unfused, and rank 0 warns).
 
 Gradient accumulation over several backward passes: all but the last run
 inside :meth:`AllReduceSGD.no_sync`, which keeps them from reporting; a
@@ -96,6 +100,7 @@ Li et al., "PyTorch Distributed", VLDB 2020.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -164,9 +169,13 @@ class AllReduceSGD(Algorithm):
         fuse_update: with the gradients in shared memory and no overlap, each rank
             applies the SGD update to the part of every bucket it reduces, for every
             rank (:mod:`algorithms.fused_sgd`: the same bits, a fraction of the
-            memory traffic). None: wherever that holds and the optimizer is a
-            plain ``torch.optim.SGD`` (:func:`~algorithms.fused_sgd.unfusable`);
-            True: there, else an ArgumentError saying why not.
+            memory traffic). None: wherever that holds, the optimizer is a
+            plain ``torch.optim.SGD`` (:func:`~algorithms.fused_sgd.unfusable`)
+            and every worker starts from one model (``broadcast_init``), and
+            unfused, with a warning on rank 0, where shared memory has no room
+            for the parameters and momentum (a small ``/dev/shm``); True:
+            there, else an ArgumentError saying why not (an OSError on every
+            rank where the memory lacks).
 
     Attributes:
         choice: for "auto", the cost model's choice for the whole model's size
@@ -215,6 +224,7 @@ class AllReduceSGD(Algorithm):
         self.local_momentum: LocalMomentum | None = None
         self.fuse_update_arg = fuse_update
         self.fused_update: SharedSGD | None = None
+        self._own_models = not common.get("broadcast_init", True)
         self._background: Background | None = None
         self._shared: SharedVectors | None = None
         self._hooks: list[Any] = []
@@ -283,6 +293,11 @@ class AllReduceSGD(Algorithm):
             return "the gradient is compressed"
         if self.overlap_arg:
             return "the buckets are all-reduced during backward (overlap)"
+        if self._own_models:
+            return (
+                "the workers keep their own models (broadcast_init=False), and the rank that reduces "
+                "a block would write its own update of it into every worker's model"
+            )
         return unfusable(self.optimizer)
 
     def _resolve_local_momentum(self) -> bool:
@@ -365,7 +380,17 @@ class AllReduceSGD(Algorithm):
                 raise ArgumentError(f"fuse_update=True, but {why}")
             return
         assert isinstance(self.flat, TorchFlatParams)  # else unfusable
-        self.fused_update = SharedSGD(context(self._comm).comm, self.optimizer, self.flat, self._bucketed)
+        try:
+            self.fused_update = SharedSGD(context(self._comm).comm, self.optimizer, self.flat, self._bucketed)
+        except OSError as exc:  # raised on every rank (node_memory): every rank falls back
+            if self.fuse_update_arg:
+                raise
+            if self.rank == 0:
+                warnings.warn(
+                    "mpidl: the SGD update is not fused with the all-reduce, which needs the parameters "
+                    f"and momentum in shared memory too: {exc}",
+                    stacklevel=2,
+                )
 
     def _resident(self) -> bool:
         """Whether the gradients can live in shared memory (module docstring): a torch

@@ -24,9 +24,10 @@ Construction is collective over ``comm``: the model is flattened
 (:mod:`algorithms.flat`), the configuration is checked across ranks (same
 algorithm, options, model length and dtype on every rank, else the same
 :class:`~collectives.ArgumentError` on every rank; ``validate=False`` skips
-the check), sub-communicators and service threads are set up, and rank 0's
-parameters are broadcast so that every worker starts from the same model
-(``broadcast_init=False`` keeps each worker's own). Steps then run their
+the check), rank 0's parameters are broadcast so that every worker starts
+from the same model (``broadcast_init=False`` keeps each worker's own), and
+then sub-communicators and service threads are set up (so that no thread
+serves a model the broadcast has yet to write). Steps then run their
 collectives unchecked (``validate=False``): the arguments are the same every
 step and were checked once.
 
@@ -63,6 +64,12 @@ gradients; :meth:`Algorithm.synchronize` (synchronous algorithms) to run the
 step's communication first, so that the gradients are those the update
 applies when clipping or unscaling them, after which ``step()`` or the
 optimizer's own ``step()`` (e.g. a ``GradScaler``'s) applies the update;
+the torch optimizer's own ``step()`` alone, as with DDP, runs
+:meth:`~Algorithm.synchronize` first where the step's gradients were not
+communicated yet (a step pre-hook; the asynchronous algorithms and compressed
+D-PSGD, which communicate during or after the update, raise: their step is
+``step()``); a ``GradScaler`` needs ``synchronize()`` before it checks the
+gradients, as with Horovod, else it raises;
 :meth:`Algorithm.average_buffers` (or ``average_buffers=True`` for every
 step) for BatchNorm statistics; :func:`algorithms.broadcast.broadcast_optimizer_state`
 for an optimizer state restored on rank 0.
@@ -82,10 +89,12 @@ communication with computation are :class:`algorithms.background.Background`.
 
 from __future__ import annotations
 
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any, ClassVar
 
 import numpy as np
@@ -157,8 +166,9 @@ class Algorithm(ABC):
         self.comm_wait_s = 0.0
         self.closed = False
         self.buffer_averaging = bool(average_buffers)
-        self._synchronized = False  # synchronize() ran; step() applies the update alone
-        self._step_hook: Any = None
+        self._synchronized = False  # synchronize() ran since the last gradient; step() applies the update alone
+        self._stepping = False  # inside step(): the optimizer's step is the algorithm's own
+        self._step_hooks: list[Any] = []  # on the torch optimizer and parameters, removed at close()
         problem = None
         try:
             self.flat: FlatParams = flatten(model, optimizer)
@@ -186,11 +196,19 @@ class Algorithm(ABC):
         elif problem:
             raise problem
         gpu.ensure(context(self.comm).comm, as_flat(self.flat.params))  # a device model: pick the transport now
-        self._start()
-        if broadcast_init:
+        if broadcast_init:  # before _start(): no service thread may touch the parameters meanwhile
             collectives.broadcast(self.flat.state, self.comm, validate=False)
-        if hasattr(optimizer, "register_step_post_hook"):  # a torch optimizer stepped by the caller
-            self._step_hook = optimizer.register_step_post_hook(self._optimizer_stepped)
+        self._start()
+        if hasattr(optimizer, "register_step_pre_hook"):  # a torch optimizer the caller may step
+            self._step_hooks += [
+                optimizer.register_step_pre_hook(self._optimizer_steps),
+                optimizer.register_step_post_hook(self._optimizer_stepped),
+            ]
+            self._step_hooks += [
+                p.register_post_accumulate_grad_hook(self._gradient_accumulated)
+                for p, _ in getattr(self.flat, "views", ())
+                if p.requires_grad
+            ]
 
     @property
     def params(self) -> Any:
@@ -224,22 +242,26 @@ class Algorithm(ABC):
         """
         if self.closed:
             raise RuntimeError(f"{self!r} is closed")
-        if self._synchronized:
+        self._stepping = True
+        try:
+            if self._synchronized:
+                if grad is not None:
+                    raise ValueError("step(grad) after synchronize(): the step's gradient was communicated already")
+                self._synchronized = False
+                self._update()
+                return
             if grad is not None:
-                raise ValueError("step(grad) after synchronize(): the step's gradient was communicated already")
-            self._synchronized = False
-            self._update()
-            return
-        if grad is not None:
-            values = np.asarray(grad).reshape(-1)
-            if values.shape != self.flat.grad_data.shape:
-                raise ValueError(f"gradient has {values.size} elements, the model {self.flat.size}")
-            np.copyto(self.flat.grad_data, values)
-        self._collect_grads()
-        self._step()
-        if self.buffer_averaging:
-            self.average_buffers()
-        self.iterations += 1
+                values = np.asarray(grad).reshape(-1)
+                if values.shape != self.flat.grad_data.shape:
+                    raise ValueError(f"gradient has {values.size} elements, the model {self.flat.size}")
+                np.copyto(self.flat.grad_data, values)
+            self._collect_grads()
+            self._step()
+            if self.buffer_averaging:
+                self.average_buffers()
+            self.iterations += 1
+        finally:
+            self._stepping = False
 
     def synchronize(self) -> None:
         """Run the step's communication now (collective over :attr:`comm`; synchronous
@@ -300,9 +322,9 @@ class Algorithm(ABC):
     def close(self) -> None:
         """Release threads and communicators the algorithm holds (collective); no step
         may follow. Idempotent. Subclasses release theirs, then call this."""
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks.clear()
         self.closed = True
 
     def state_dict(self) -> dict[str, Any]:
@@ -368,8 +390,41 @@ class Algorithm(ABC):
         """The update that follows :meth:`_synchronize` (LSGD's may apply nothing)."""
         self.optimizer.step()
 
+    def _optimizer_steps(self, *_: Any) -> None:
+        """The torch optimizer's step pre-hook. A step the caller makes (not :meth:`step`'s
+        own) whose gradients were not communicated yet runs :meth:`synchronize` first, as
+        DDP and Horovod make a plain ``optimizer.step()`` average the gradients; the
+        algorithms that communicate during or after their update refuse it.
+
+        Raises:
+            RuntimeError: the algorithm cannot communicate before the update, or a
+                GradScaler is stepping the optimizer without ``synchronize()`` first.
+        """
+        if self._stepping or self._synchronized:
+            return
+        if _grad_scaler_stepping():
+            raise RuntimeError(
+                "a GradScaler steps the optimizer, but the gradients were not synchronized: the scaler "
+                "checked this worker's own gradients for inf and NaN, and workers that disagree on "
+                "skipping the step would leave each other waiting; call algo.synchronize() after "
+                "backward(), before scaler.unscale_() and scaler.step()"
+            )
+        try:
+            self.synchronize()
+        except NotImplementedError:
+            raise RuntimeError(
+                f"{type(self).__name__} communicates during or after its optimizer step, so "
+                "optimizer.step() alone would train this worker without communicating: finish "
+                "each step with algo.step(), which communicates and steps the optimizer"
+            ) from None
+
     def _optimizer_stepped(self, *_: Any) -> None:
         """The torch optimizer's step post-hook: a step after synchronize() is finished."""
+        self._synchronized = False
+
+    def _gradient_accumulated(self, _: Any) -> None:
+        """A parameter's post-accumulate-grad hook: backward brings a gradient not yet
+        communicated (a synchronize() whose update was skipped no longer counts)."""
         self._synchronized = False
 
     @contextmanager
@@ -381,6 +436,21 @@ class Algorithm(ABC):
         finally:
             self.comm_wait_s += time.perf_counter() - t0
             self.bytes_sent += bytes_sent() - b0
+
+
+def _grad_scaler_stepping() -> bool:
+    """Whether an enabled torch ``GradScaler`` calls the optimizer's step now: its
+    ``step()`` is among the callers of the step's hooks (a few frames up)."""
+    torch = sys.modules.get("torch")
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(6):
+        if frame is None or torch is None:
+            return False
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, torch.amp.GradScaler):
+            return bool(caller.is_enabled())
+        frame = frame.f_back
+    return False
 
 
 def _field_names() -> tuple[dict[int, str], ...]:

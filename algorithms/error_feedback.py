@@ -9,6 +9,15 @@ everything compressed so far and adds it back before the next compression:
     aggregate C(p)       e.g. compressor.allreduce(p, comm, "avg", residual=e)
     e = p - C(p)         what this worker's contribution lost
 
+A step whose corrected gradient p holds an inf or a NaN on any rank (an
+overflow, which a ``GradScaler`` expects early in training and answers by
+skipping the step) would make e, and through the aggregate every later step,
+non-finite for good. So every rank first learns whether any rank's p is
+finite (a one-element all-reduce); if one is not, the aggregate is NaN on
+every rank (the scaler skips the step on all of them) and the compressor does
+not run: the memories, and the compressor's own state, stay as they were,
+and the next steps go on as if this one had not been taken.
+
 Compressors that aggregate by reduce-scatter and encode the chunks of the
 aggregate a second time (fp16, bf16, qsgd, sign) lose something there too:
 its error is kept in a second memory s, the *server memory*, by the rank that
@@ -48,8 +57,10 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
-from collectives import ArgumentError, Compressor, as_flat, reduction
+from collectives import ArgumentError, Compressor, FlatBuffer, as_flat, reduction
+from collectives.transport import p2p
 from collectives.transport.buffers import array_module
+from collectives.transport.context import context
 
 
 class ErrorFeedback:
@@ -80,6 +91,7 @@ class ErrorFeedback:
         second = self.enabled and self.compressor.aggregation in ("reduce_scatter", "hierarchical")
         self.server = zeros_like(like) if second else None
         self._flat = as_flat(self.residual) if self.residual is not None else None
+        self._flag = np.zeros(1, np.int32)  # whether some rank's gradient is not finite
 
     def allreduce(
         self,
@@ -96,19 +108,26 @@ class ErrorFeedback:
         With the memory on: ``buf += e``, then the compressor's
         ``allreduce(buf, comm, op, residual=e, server=s)`` (``e`` and ``s`` the
         memories' elements ``offset`` to ``offset + len(buf)``, so that buckets
-        of one gradient share one memory); without it, the compressor's
-        ``allreduce`` alone.
-        ``buf`` ends bitwise identical on all ranks. ``validate`` defaults to
-        off: a training step's arguments are the same every step.
+        of one gradient share one memory), unless ``buf + e`` is not finite on
+        some rank: then ``buf`` is set to NaN on every rank and the memories stay
+        as they were (module docstring); without the memory, the compressor's
+        ``allreduce`` alone. ``buf`` ends bitwise identical on all ranks. The
+        arguments are checked before ``buf`` changes: a call refused with an
+        ArgumentError leaves ``buf`` and the memories as they were. ``validate``
+        defaults to off: a training step's arguments are the same every step.
         """
         if self._flat is None:
             return self.compressor.allreduce(buf, comm, op, algorithm=algorithm, validate=validate)
         flat = as_flat(buf)
         memory = self._slice(self.residual, offset, flat.size)
         server = None if self.server is None else self._slice(self.server, offset, flat.size)
+        self.compressor.check(buf, comm, op, residual=memory, server=server, algorithm=algorithm, validate=validate)
         reduction("sum", flat.dtype, array_module(flat.data)).combine(flat.data, as_flat(memory).data)
+        if self._any_rank(comm, not finite(flat)):
+            _fill_nan(flat)
+            return buf
         return self.compressor.allreduce(
-            buf, comm, op, residual=memory, server=server, algorithm=algorithm, validate=validate
+            buf, comm, op, residual=memory, server=server, algorithm=algorithm, validate=False
         )
 
     def reset(self) -> None:
@@ -116,6 +135,19 @@ class ErrorFeedback:
         for memory in (self.residual, self.server):
             if memory is not None:
                 as_flat(memory).data.fill(0)
+
+    def _any_rank(self, comm: MPI.Comm | None, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of ``comm`` (collective: a one-element
+        all-reduce on the collectives' own communicator, waited for as
+        :func:`collectives.transport.p2p.waitall` waits: seen by the stall inspector,
+        polling on a service thread)."""
+        ctx = context(MPI.COMM_WORLD if comm is None else comm)
+        self._flag[0] = flag
+        if ctx.size > 1:
+            p2p.operation("error feedback: whether every rank's gradient is finite")
+            request = ctx.comm.Iallreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
+            p2p.waitall([request], ctx.comm, tuple(r for r in range(ctx.size) if r != ctx.rank))
+        return bool(self._flag[0])
 
     def _slice(self, memory: Any, offset: int, size: int) -> Any:
         """``memory``'s elements ``offset`` to ``offset + size``, as the buffer's kind."""
@@ -125,6 +157,26 @@ class ErrorFeedback:
                 f"error feedback: elements {offset} to {offset + size} lie outside the memory of {total}"
             )
         return memory.reshape(-1)[offset : offset + size]
+
+
+def finite(flat: FlatBuffer) -> bool:
+    """Whether every element of the float buffer ``flat`` is finite, in two passes that
+    allocate nothing: its largest and smallest values are (NaN propagates through
+    both); bfloat16, carried as its bits, by the exponent: the largest bits read as
+    int16 (the positive values) stay below inf's 0x7F80, and as uint16 (the negative
+    values) below -inf's 0xFF80."""
+    data = flat.data
+    if not flat.size:
+        return True
+    if flat.dtype == "bfloat16":
+        return bool(data.view("int16").max() < 0x7F80 and data.max() < 0xFF80)
+    xp = array_module(data)
+    return bool(xp.isfinite(data.max()) and xp.isfinite(data.min()))
+
+
+def _fill_nan(flat: FlatBuffer) -> None:
+    """Set every element of the float buffer ``flat`` to NaN (bfloat16: its quiet NaN's bits)."""
+    flat.data.fill(0x7FC0 if flat.dtype == "bfloat16" else np.nan)
 
 
 def zeros_like(like: Any) -> Any:

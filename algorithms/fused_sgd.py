@@ -48,7 +48,8 @@ step counts the all-reduce's bytes, as unfused.
 
 Only ``torch.optim.SGD`` without ``fused`` or ``differentiable`` qualifies
 (:func:`unfusable`); AllReduce-SGD uses it where every bucket is all-reduced in
-shared memory on the calling thread (:mod:`algorithms.allreduce_sgd`).
+shared memory on the calling thread and every worker holds the same model
+(:mod:`algorithms.allreduce_sgd`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class SharedSGD:
         optimizer: the ``torch.optim.SGD`` over the model (:func:`unfusable` says None).
         flat: the model's flat parameters; its state moves into shared memory.
         indices: the parameters the update covers (those in a bucket).
+
+    Raises:
+        OSError: on every rank, where the shared memory cannot be allocated
+            (:func:`collectives.kernels.resident.node_memory`); nothing is kept.
     """
 
     def __init__(self, comm: MPI.Comm, optimizer: Any, flat: TorchFlatParams, indices: Sequence[int]) -> None:
@@ -94,7 +99,11 @@ class SharedSGD:
         self.rank = comm.Get_rank()
         dtype = flat.state_data.dtype
         self._state = SharedVectors(comm, flat.state_data.shape[0], dtype)
-        self._momentum = SharedVectors(comm, flat.size, dtype)
+        try:
+            self._momentum = SharedVectors(comm, flat.size, dtype)
+        except OSError:  # on every rank (a full /dev/shm): release what was allocated
+            self._state.free()
+            raise
         flat.move_state(self._tensor(self._state.mine))
         self._x = [self._tensor(v) for v in self._state.vectors]
         self._m = [self._tensor(v) for v in self._momentum.vectors]

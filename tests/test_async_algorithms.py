@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from mpi4py import MPI
 from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly
 
 import algorithms
+import collectives
 from algorithms import SGD, topology
 from collectives import ArgumentError
 
@@ -117,6 +119,47 @@ def test_adpsgd_caller_never_reads_a_partial_averaging() -> None:
             low, high = min(low, float(x.min())), max(high, float(x.max()))
     algo.close()
     assert all_ok(comm, low >= 1.0 and high <= n), (r, low, high)
+
+
+@pytest.mark.timeout(60)
+def test_adpsgd_serves_only_after_the_initial_broadcast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's initial broadcast comes a second late while the active workers step (lr 0;
+    a small model, which rank 0 sends without waiting for rank 1): no averaging reads a
+    passive worker's own parameters before rank 0's overwrite them, so every worker ends
+    with rank 0's, the sum exactly n times theirs."""
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    broadcast = collectives.broadcast
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        if r == 1:
+            time.sleep(1.0)
+        return broadcast(*args, **kwargs)
+
+    monkeypatch.setattr(collectives, "broadcast", late)
+    x = np.full(1000, float(r + 1))
+    with algorithms.ADPSGD(x, SGD(x, lr=0.0), comm) as algo:
+        for _ in range(5):
+            algo.step(np.zeros_like(x))
+        algo.settle()
+        total = comm.allreduce(float(x.sum()))
+    assert all_ok(comm, total == n * x.size and bool(np.all(x == 1.0))), total
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_adpsgd_with_an_empty_model(size: int) -> None:
+    """A model without parameters has nothing to average: steps and settle() return on
+    every rank (the empty request was read as an end marker, and the active worker waited
+    for an answer forever), with nothing sent."""
+    comm = comm_of_size(size)
+    x = np.zeros(0)
+    with algorithms.ADPSGD(x, SGD(x, lr=0.1), comm) as algo:
+        for _ in range(3):
+            algo.step(np.zeros(0))
+        algo.settle()
+        ok = algo.iterations == 3 and algo.bytes_sent == 0 and algo.averagings == 0
+    assert all_ok(MPI.COMM_WORLD, ok)
 
 
 def test_adpsgd_refuses_a_graph_that_is_not_bipartite() -> None:

@@ -209,6 +209,42 @@ def test_local_momentum_is_the_optimizers_momentum_when_nothing_is_dropped(size:
     assert all_ok(comm, ok), size
 
 
+@pytest.mark.parametrize("spec", ["topk:0.1", "sign", "powersgd:2", "fp16"])
+def test_a_grad_scaler_skips_one_overflow_and_trains_on(spec: str) -> None:
+    """Compressed with error feedback under a GradScaler (synchronize(), unscale_, step):
+    the last rank's loss overflows at step 2. Every worker skips that step alone and the
+    later ones apply finite updates: the model is, bit for bit and on every worker, that of
+    a run which leaves step 2 out (and halves the scale by hand)."""
+    comm = WORLD
+    overflowing = comm.Get_size() - 1
+
+    def run(leave_out: bool) -> tuple[torch.Tensor, float]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+        options = {"compression": spec, "error_feedback": True, "overlap": False, "algorithm": "ring"}
+        with algorithms.AllReduceSGD(model, opt, comm, **options) as algo:
+            for t, (x, y) in enumerate(batches(comm, 6)):
+                if leave_out and t == 2:
+                    scaler.update(new_scale=scaler.get_scale() / 2)
+                    continue
+                algo.zero_grad()
+                value = loss(model, x, y)
+                if t == 2 and comm.Get_rank() == overflowing:
+                    value = value * float("inf")
+                scaler.scale(value).backward()
+                algo.synchronize()
+                scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+            return algo.params.detach().clone(), scaler.get_scale()
+
+    (trained, scale), (reference, reference_scale) = run(False), run(True)
+    ok = bool(torch.isfinite(trained).all()) and torch.equal(trained, reference) and same_everywhere(comm, trained)
+    ok &= scale == reference_scale == 2.0**9
+    assert all_ok(comm, ok), spec
+
+
 def test_local_momentum_refuses_what_would_apply_momentum_twice() -> None:
     """The optimizer's own step after synchronize() raises before it updates (the
     algorithm's step() finishes it); an optimizer without SGD's momentum raises at set-up."""

@@ -13,8 +13,8 @@ from mpi4py import MPI
 from mpitest import all_ok, comm_of_size, gather_failures, mpiexec, on_rank0_quietly, spread
 
 import collectives
-from algorithms.error_feedback import ErrorFeedback
-from collectives import ArgumentError, NeighborWeights, compression
+from algorithms.error_feedback import ErrorFeedback, finite
+from collectives import ArgumentError, NeighborWeights, as_flat, compression
 from collectives.compression.aggregate import chunks
 from collectives.compression.timing import mlp_shapes
 from collectives.transport import gpu
@@ -222,6 +222,86 @@ def test_error_feedback_conserves_the_signal(spec: str, aggregation: str, monkey
     scale = comm.allreduce(magnitude + np.abs(ef.residual) + n * np.abs(server))
     assert all_ok(comm, bool(np.all(np.abs(total - kept) <= 64 * 2.0**-53 * scale))), np.abs(total - kept).max()
     assert all_ok(comm, spread(comm, applied) == 0)  # bitwise identical on all ranks
+
+
+@pytest.mark.parametrize("spec", ["topk:0.05", "sign", "powersgd:2", "fp16"])
+def test_a_non_finite_step_leaves_error_feedback_as_it_was(spec: str) -> None:
+    """The last rank's gradient holds an inf at step 2, rank 0's a NaN at step 4 (overflows,
+    which a GradScaler answers by skipping the step): those steps' aggregates are NaN on every
+    rank, and the memories (residual, server) and the compressor's state (PowerSGD's warm
+    start) stay as they were, so every other step's aggregate is finite and bitwise what a
+    run without the two steps gives, and so are the final memories."""
+    comm, n, r = WORLD, WORLD.Get_size(), WORLD.Get_rank()
+    d, steps, skipped = 700, 7, {2: (n - 1, np.inf), 4: (0, np.nan)}
+
+    def run(skip: bool) -> tuple[list[np.ndarray], ErrorFeedback]:
+        ef = ErrorFeedback(build(spec, d), np.zeros(d, np.float32), enabled=True)
+        out = []
+        for t in range(steps):
+            if skip and t in skipped:
+                continue
+            g = (np.random.default_rng([r, t]).standard_normal(d) * (1 + np.arange(d) % 5)).astype(np.float32)
+            rank, value = skipped.get(t, (-1, 0.0))
+            if r == rank:
+                g[d // 3] = value
+            ef.allreduce(g, comm, algorithm="ring")
+            out.append(g)
+        return out, ef
+
+    (poisoned, ef), (clean, reference) = run(False), run(True)
+    ok = all(bool(np.isnan(poisoned[t]).all()) for t in skipped)
+    kept = [a for t, a in enumerate(poisoned) if t not in skipped]
+    ok &= all(bool(np.isfinite(a).all()) and np.array_equal(a, b) for a, b in zip(kept, clean))
+    for key in ("residual", "server"):
+        mine, theirs = getattr(ef, key), getattr(reference, key)
+        ok &= (mine is None) == (theirs is None) and (mine is None or np.array_equal(mine, theirs))
+    ok &= ef.server is not None or spec != "fp16"  # fp16 aggregates by reduce-scatter: a server memory
+    assert all_ok(comm, ok)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_finite_tells_every_non_finite_value(dtype: str) -> None:
+    """error_feedback.finite on buffers of every float dtype (bfloat16 as its bits): the
+    largest and smallest finite values, zeros of both signs and subnormals are finite; an
+    inf, a -inf or a NaN of either sign anywhere is not."""
+    torch = pytest.importorskip("torch")
+    kind = getattr(torch, dtype)
+    info = torch.finfo(kind)
+    finite_values = [info.max, -info.max, 0.0, -0.0, info.tiny / 2, -info.tiny / 2, 1.0]
+    ok = finite(as_flat(torch.tensor(finite_values, dtype=kind))) and finite(as_flat(torch.zeros(0, dtype=kind)))
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(kind, torch.int16)
+    for bad, negative in ((math.inf, False), (-math.inf, False), (math.nan, False), (math.nan, True)):
+        for at in (0, 3, 6):
+            values = torch.tensor(finite_values, dtype=kind)
+            values[at] = bad
+            if negative:  # the sign bit set on the NaN (torch's arithmetic would drop it for bfloat16)
+                values.view(bits)[at] |= torch.iinfo(bits).min
+            ok &= bool(torch.isnan(values[at]) or torch.isinf(values[at])) and not finite(as_flat(values))
+            ok &= not negative or bool(torch.signbit(values[at]))
+    assert ok
+
+
+def test_error_feedback_refuses_before_it_changes_anything() -> None:
+    """Calls the compressor refuses (an op it has not, an unknown all-reduce algorithm, a
+    buffer of another dtype than the memory; one rank's op, checked across ranks) raise
+    ArgumentError on every rank and leave the caller's buffer and the memory as they were."""
+    comm, r = WORLD, WORLD.Get_rank()
+    ef = ErrorFeedback("topk:0.25", np.zeros(8), enabled=True)
+    ef.allreduce(np.arange(8.0) - 3, MPI.COMM_SELF)  # a memory to keep
+    residual = ef.residual.copy()
+    calls = [
+        (np.ones(8), {"comm": MPI.COMM_SELF, "op": "max"}, "supports ops sum, avg"),
+        (np.ones(8), {"comm": MPI.COMM_SELF, "algorithm": "nope"}, "unknown algorithm 'nope'"),
+        (np.ones(8, np.float32), {"comm": MPI.COMM_SELF}, "the residual .* must match"),
+        (np.ones(8), {"comm": comm, "op": "max" if r == 0 else "avg", "validate": True}, "disagree|not 'max'"),
+    ]
+    ok = bool(np.any(residual))
+    for buf, options, match in calls:
+        before = buf.copy()
+        with pytest.raises(ArgumentError, match=match):
+            ef.allreduce(buf, **options)
+        ok &= np.array_equal(buf, before) and buf.dtype == before.dtype and np.array_equal(ef.residual, residual)
+    assert all_ok(comm, ok)
 
 
 def test_error_feedback_defaults_switch_and_reset() -> None:

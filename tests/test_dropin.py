@@ -38,6 +38,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 #: The configurations whose workers apply the same averaged gradient.
 AVERAGING = [name for name in CONFIGS if not name.startswith("dpsgd")]
+#: AllReduce-SGD with the update fused with the all-reduce in shared memory (two or more ranks).
+FUSED = {"allreduce-fused": ("allreduce", {"algorithm": "shm", "overlap": False})}
 
 
 def cnn(batchnorm: bool = False) -> nn.Module:
@@ -65,7 +67,7 @@ def same_everywhere(comm: MPI.Comm, t: torch.Tensor) -> bool:
 
 
 def build(config: str, model: nn.Module, opt: Any, comm: MPI.Comm, **extra: Any) -> algorithms.Algorithm:
-    name, options = CONFIGS[config]
+    name, options = {**CONFIGS, **FUSED}[config]
     return algorithms.create(name, model, opt, comm, **options, **extra)
 
 
@@ -76,11 +78,12 @@ def run(
     steps: int = 4,
     accumulate: int = 1,
     batchnorm: bool = False,
+    scaler: Any = None,
     **extra: Any,
 ) -> tuple[torch.Tensor, int, int]:
     """Train ``steps`` steps, each on ``accumulate`` batches (every backward pass in
-    no_sync(enabled=not last), the loss divided by ``accumulate``), ending every step with ``finish``;
-    (the final state, the iterations, the bytes sent)."""
+    no_sync(enabled=not last), the loss divided by ``accumulate`` and scaled by ``scaler``
+    if given), ending every step with ``finish``; (the final state, the iterations, the bytes sent)."""
     model = cnn(batchnorm)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = batches(comm, steps * accumulate)
@@ -90,7 +93,8 @@ def run(
             for k in range(accumulate):
                 x, y = data[t * accumulate + k]
                 with algo.no_sync(enabled=k < accumulate - 1):
-                    (loss_of(model, x, y) / accumulate).backward()
+                    loss = loss_of(model, x, y) / accumulate
+                    (loss if scaler is None else scaler.scale(loss)).backward()
             finish(algo, opt)
         return algo.state.detach().clone(), algo.iterations, algo.bytes_sent
 
@@ -107,6 +111,10 @@ def by_synchronize_and_step(algo: algorithms.Algorithm, opt: Any) -> None:
 def by_synchronize_and_optimizer(algo: algorithms.Algorithm, opt: Any) -> None:
     algo.synchronize()
     opt.step()
+
+
+def by_optimizer(algo: algorithms.Algorithm, opt: Any) -> None:
+    opt.step()  # DDP's habit: neither algo.step() nor synchronize()
 
 
 # --- synchronize() -------------------------------------------------------------------
@@ -126,6 +134,147 @@ def test_synchronize_then_step_gives_the_bits_of_step(config: str, size: int) ->
     if config in AVERAGING:
         ok &= same_everywhere(comm, states[0])
     assert all_ok(MPI.COMM_WORLD, ok), (iterations, sent)
+
+
+# --- the optimizer's own step ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("config", [*CONFIGS, *FUSED])
+def test_a_plain_optimizer_step_is_the_algorithms_step(config: str, size: int) -> None:
+    """DDP's habit, backward then the optimizer's own step() and nothing else, with and
+    without accumulation in no_sync(): the step synchronizes first, once, so it gives the
+    bits, iterations and bytes of algo.step(), and the gradient-averaging configurations
+    keep every worker's model identical."""
+    comm = comm_of_size(size)
+    ok = True
+    for accumulate in (1, 3):
+        (state, iterations, sent), (plain, plain_iterations, plain_sent) = (
+            run(config, comm, finish, accumulate=accumulate) for finish in (by_step, by_optimizer)
+        )
+        ok &= torch.equal(state, plain) and iterations == plain_iterations == 4 and sent == plain_sent
+        ok &= comm.Get_size() == 1 or sent > 0
+        if not config.startswith("dpsgd"):
+            ok &= same_everywhere(comm, plain)
+    assert all_ok(MPI.COMM_WORLD, ok), config
+
+
+@pytest.mark.parametrize("config", ["allreduce", "allreduce-overlap", "allreduce-shm", "dpsgd-overlap", "lsgd-groups"])
+def test_grad_scaler_after_synchronize_gives_the_bits_of_step(config: str) -> None:
+    """Horovod's GradScaler step: synchronize(), unscale_, scaler.step(opt), update. The
+    optimizer's step does not synchronize again: the bits, iterations and bytes of
+    algo.step() without a scaler (a power-of-two scale is undone exactly)."""
+    comm = MPI.COMM_WORLD
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
+
+    def by_scaler(algo: algorithms.Algorithm, opt: Any) -> None:
+        algo.synchronize()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+
+    (state, iterations, sent), (scaled, scaled_iterations, scaled_sent) = (
+        run(config, comm, by_step),
+        run(config, comm, by_scaler, scaler=scaler),
+    )
+    ok = torch.equal(state, scaled) and iterations == scaled_iterations == 4 and sent == scaled_sent
+    ok &= scaler.get_scale() == 2.0**12
+    assert all_ok(comm, ok)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("config", ["allreduce", "allreduce-overlap", "allreduce-shm", "lsgd", *FUSED])
+def test_every_way_to_step_applies_the_mean_once(config: str, size: int) -> None:
+    """One weight at 0, worker r's gradient r + 1, plain SGD at lr 1: one step leaves
+    -(n + 1) / 2 exactly on every worker (a local step would leave -(r + 1)), with one
+    all-reduce's bytes and one iteration (a second synchronization would count twice), by
+    algo.step(), the optimizer's own step(), synchronize() then it, or synchronize() then
+    a GradScaler's step."""
+    comm = comm_of_size(size)
+    rank, n = comm.Get_rank(), comm.Get_size()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+    def one_step(finish: Callable[[algorithms.Algorithm, Any], None], scaled: bool) -> tuple[float, int, int]:
+        model = nn.Linear(1, 1, bias=False).double()
+        nn.init.zeros_(model.weight)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        with build(config, model, opt, comm) as algo:
+            loss = (rank + 1) * model.weight.sum()
+            (scaler.scale(loss) if scaled else loss).backward()
+            finish(algo, opt)
+        return float(model.weight.detach()), algo.iterations, algo.bytes_sent
+
+    def by_scaler(algo: algorithms.Algorithm, opt: Any) -> None:
+        algo.synchronize()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+
+    results = [
+        one_step(by_step, False),
+        one_step(by_optimizer, False),
+        one_step(by_synchronize_and_optimizer, False),
+        one_step(by_scaler, True),
+    ]
+    ok = all(r == (-(n + 1) / 2, 1, results[0][2]) for r in results) and (n == 1 or comm.allreduce(results[0][2]) > 0)
+    assert all_ok(MPI.COMM_WORLD, ok), results
+
+
+def test_a_plain_optimizer_step_where_it_cannot_synchronize() -> None:
+    """The asynchronous algorithms and compressed D-PSGD communicate during or after the
+    update: the optimizer's own step() raises on every rank before it changes anything,
+    naming algo.step(), which then works; after close() the optimizer is the caller's
+    again. A GradScaler stepping without synchronize() first (it decided on this worker's
+    gradients alone whether to step) raises, saying to call it; after it, the step runs."""
+    comm = MPI.COMM_WORLD
+    ok = True
+    for name, options in [("adpsgd", {}), ("grsgd", {}), ("prague", {}), ("dpsgd", {"compression": "fp16"})]:
+        model = cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = batches(comm, 1)[0]
+        with algorithms.create(name, model, opt, comm, **options) as algo:
+            before = algo.params.detach().clone()
+            loss_of(model, x, y).backward()
+            with pytest.raises(RuntimeError, match=r"finish each step with algo\.step\(\)"):
+                opt.step()
+            ok &= torch.equal(before, algo.params) and algo.iterations == 0 and algo.bytes_sent == 0
+            comm.Barrier()  # (AD-PSGD's passive workers average as soon as an active one steps)
+            algo.step()
+            ok &= algo.iterations == 1 and not torch.equal(before, algo.params)
+        opt.step()  # closed: the optimizer is the caller's again
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with build("allreduce", model, opt, comm) as algo:
+        before = algo.params.detach().clone()
+        x, y = batches(comm, 1)[0]
+        scaler.scale(loss_of(model, x, y)).backward()
+        with pytest.raises(RuntimeError, match=r"call algo\.synchronize"):
+            scaler.step(opt)
+        ok &= torch.equal(before, algo.params) and algo.iterations == 0
+        algo.synchronize()
+        scaler.step(opt)
+        scaler.update()
+        ok &= algo.iterations == 1 and not torch.equal(before, algo.params) and same_everywhere(comm, algo.params)
+    assert all_ok(comm, ok)
+
+
+def test_a_skipped_update_does_not_excuse_the_next_step() -> None:
+    """synchronize(), then no update (a GradScaler skips the optimizer's step after an
+    overflow), then a new backward pass and the optimizer's own step(): the new gradients
+    are synchronized, and the workers stay identical."""
+    comm = MPI.COMM_WORLD
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with build("allreduce", model, opt, comm) as algo:
+        first, second = batches(comm, 2)
+        loss_of(model, *first).backward()
+        algo.synchronize()
+        opt.zero_grad()
+        loss_of(model, *second).backward()
+        opt.step()
+        ok = algo.iterations == 2 and same_everywhere(comm, algo.params)
+    assert all_ok(comm, ok)
 
 
 @pytest.mark.parametrize("config", AVERAGING)

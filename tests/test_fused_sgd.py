@@ -3,6 +3,8 @@ the unfused step, state the optimizer keeps whole, memory that outlives close().
 
 from __future__ import annotations
 
+import errno
+import os
 import warnings
 from typing import Any
 
@@ -191,3 +193,81 @@ def test_shared_memory_that_cannot_be_allocated_fails_on_every_rank(monkeypatch:
     except OSError as exc:
         message = str(exc)
     assert all_ok(MPI.COMM_WORLD, "cannot allocate" in message and "/nonexistent/mpidl" in message), message
+
+
+def test_workers_with_their_own_models_are_not_fused() -> None:
+    """broadcast_init=False, each worker its own initial model: the update is not fused (the
+    rank that reduces a block would write its own parameters into every worker's), so the
+    steps give the bits of fuse_update=False; fuse_update=True says why not, on every rank."""
+    comm = MPI.COMM_WORLD
+
+    def run(fuse: bool | None) -> tuple[list, bool]:
+        model, opt = model_and_optimizer({"momentum": 0.9})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + comm.Get_rank())
+        with algorithms.AllReduceSGD(
+            model, opt, comm, fuse_update=fuse, bucket_mb=SMALL_BUCKETS, broadcast_init=False
+        ) as algo:
+            for step in range(3):
+                algo.zero_grad()
+                backward(model, comm, step)
+                algo.step()
+            return snapshot(algo), algo.fused_update is not None
+
+    (own, fused), (plain, _) = run(None), run(False)
+    ok = not fused and all(torch.equal(a, b) for a, b in zip(own, plain))
+    ok &= comm.Get_size() == 1 or len(set(comm.allgather(own[0].numpy().tobytes()))) == comm.Get_size()
+    model, opt = model_and_optimizer({"momentum": 0.9})
+    with pytest.raises(ArgumentError, match=r"fuse_update=True, but the workers keep their own models"):
+        algorithms.AllReduceSGD(model, opt, comm, fuse_update=True, broadcast_init=False)
+    assert all_ok(comm, ok)
+
+
+class SmallShm:
+    """``os.posix_fallocate`` on a ``/dev/shm`` with ``room`` bytes for this process (the
+    shared vectors' allocation: :func:`collectives.kernels.resident.node_memory`), what
+    was allocated counted since the last :meth:`empty`."""
+
+    def __init__(self, room: int) -> None:
+        self.room, self.used, self._allocate = room, 0, os.posix_fallocate
+
+    def empty(self) -> None:
+        self.used = 0
+
+    def __call__(self, fd: int, offset: int, length: int) -> None:
+        if self.used + length > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.used += length
+        self._allocate(fd, offset, length)
+
+
+@pytest.mark.parametrize("room", [1.5, 2.5], ids=["no-room-for-the-parameters", "no-room-for-the-momentum"])
+def test_a_small_dev_shm_falls_back_to_the_unfused_update(room: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A /dev/shm with room for the gradients but not for the update's parameters (or its
+    momentum) beside them, on rank 1 alone: every rank falls back to the unfused update, which
+    gives the bits of fuse_update=False; rank 0 says so once, the others not; with
+    fuse_update=True the OSError is raised on every rank."""
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() == 1:
+        pytest.skip("the update is fused on two or more ranks")
+    model, _ = model_and_optimizer({})
+    gradients = sum(p.numel() for p in model.parameters()) * 4
+    shm = SmallShm(int(room * gradients))
+    if comm.Get_rank() == 1:
+        monkeypatch.setattr(os, "posix_fallocate", shm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback, algo = train(comm, {"momentum": 0.9}, None)
+    said = [w for w in caught if "not fused with the all-reduce" in str(w.message)]
+    shm.empty()
+    try:
+        train(comm, {"momentum": 0.9}, True)
+        refused = ""
+    except OSError as exc:
+        refused = str(exc)
+    monkeypatch.undo()
+    plain, _ = train(comm, {"momentum": 0.9}, False)
+    ok = algo.resident and all(torch.equal(a, b) for a, b in zip(fallback, plain))
+    ok &= len(said) == (1 if comm.Get_rank() == 0 else 0) and "No space left" in refused
+    assert all_ok(comm, ok), (said, refused)

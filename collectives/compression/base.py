@@ -22,6 +22,9 @@ to C(x), its decoded approximation. Every compressor offers:
     chunk per rank; each rank's encoding of chunk j goes to rank j, which
     decodes and sums them, encodes the sum again, and sends that to every
     rank.
+* ``check(buf, comm, op, ...)``: raises what ``allreduce`` would raise for
+  the same arguments, and does nothing else (e.g. before the caller writes
+  into ``buf``: :mod:`algorithms.error_feedback`).
 
 Residual. ``allreduce(..., residual=e)`` also writes into ``e`` (same length
 and dtype as ``buf``) this rank's share of what the aggregate lost: x - C(x),
@@ -81,7 +84,7 @@ from ..api import ALGORITHMS, DEFAULT_ALGORITHM
 from ..errors import ArgumentError
 from ..transport import gpu, p2p
 from ..transport.buffers import DTYPE_CODES, FLOAT_DTYPES, FlatBuffer, array_module, as_flat, dtype_code
-from ..transport.context import context
+from ..transport.context import Context, context
 from ..transport.ops import narrow, widen
 from ..transport.scratch import scratch
 from . import aggregate
@@ -272,22 +275,7 @@ class Compressor(ABC):
         """
         user = MPI.COMM_WORLD if comm is None else comm
         ctx = context(user)
-        what = "compressed allreduce"  # the same on every rank, whatever each passed
-        p2p.operation(f"{what} ({self.spec})")
-        flat, res, memory, problem = self._prepare(buf, op, residual, server, algorithm)
-        if validation.enabled(validate):
-            signature = (0,) * 5
-            if problem is None:
-                signature = (
-                    flat.size,
-                    dtype_code(flat),
-                    validation.code(op),
-                    validation.code(f"{self.name}/{self.aggregation}"),
-                    validation.code(self._options(algorithm)),
-                )
-            validation.check(ctx, what, problem, signature, lambda: self._field_names(algorithm))
-        elif problem is not None:
-            raise problem
+        flat, res, memory = self._checked(ctx, buf, op, residual, server, algorithm, validate)
         if type(flat.data) is not np.ndarray:
             gpu.ensure(ctx.comm, flat)
         if flat.size:
@@ -304,6 +292,26 @@ class Compressor(ABC):
                     if buffer is not None:
                         narrow(wide, buffer.data, flat.dtype)
         return buf
+
+    def check(
+        self,
+        buf: Any,
+        comm: MPI.Comm | None = None,
+        op: str = "avg",
+        *,
+        residual: Any = None,
+        server: Any = None,
+        algorithm: str = DEFAULT_ALGORITHM,
+        validate: bool | None = None,
+    ) -> None:
+        """Raise the ArgumentError that :meth:`allreduce` would raise for these arguments,
+        before it moved any data (with validation on, on every rank: collective), and
+        change nothing: e.g. to check them before writing into ``buf``.
+
+        Raises:
+            ArgumentError: bad or disagreeing arguments.
+        """
+        self._checked(context(MPI.COMM_WORLD if comm is None else comm), buf, op, residual, server, algorithm, validate)
 
     # --- what subclasses implement ------------------------------------------------
 
@@ -352,6 +360,29 @@ class Compressor(ABC):
         x = scratch(flat.data, flat.size, WORK, np.float32)
         widen(flat.data, x, flat.dtype)
         return x
+
+    def _checked(
+        self, ctx: Context, buf: Any, op: str, residual: Any, server: Any, algorithm: str, validate: bool | None
+    ) -> tuple[FlatBuffer, FlatBuffer | None, FlatBuffer | None]:
+        """The buffers resolved, once the arguments are checked locally and, with validation
+        on, across ranks (:meth:`check`)."""
+        what = "compressed allreduce"  # the same on every rank, whatever each passed
+        p2p.operation(f"{what} ({self.spec})")
+        flat, res, memory, problem = self._prepare(buf, op, residual, server, algorithm)
+        if validation.enabled(validate):
+            signature = (0,) * 5
+            if problem is None:
+                signature = (
+                    flat.size,
+                    dtype_code(flat),
+                    validation.code(op),
+                    validation.code(f"{self.name}/{self.aggregation}"),
+                    validation.code(self._options(algorithm)),
+                )
+            validation.check(ctx, what, problem, signature, lambda: self._field_names(algorithm))
+        elif problem is not None:
+            raise problem
+        return flat, res, memory
 
     def _prepare(
         self, buf: Any, op: str, residual: Any, server: Any, algorithm: str
