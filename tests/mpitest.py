@@ -3,6 +3,7 @@ and launching a script under a separate ``mpiexec`` for 5..8 ranks."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -11,12 +12,17 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 _SPLITS: dict[int, MPI.Intracomm] = {}
 
 #: Environment variables of the launcher that must not leak into a nested mpiexec.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL", "MPIR_CVAR_CH4_", "OMPI_", "SLURM_")
+
+#: Marks a test, or one parameter of a test, that needs torch (an optional dependency):
+#: skipped where torch is not installed.
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 
 
 def comm_of_size(k: int) -> MPI.Intracomm:

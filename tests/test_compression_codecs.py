@@ -9,6 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpitest import needs_torch
 
 from collectives import ArgumentError, compression
 from collectives.compression import COMPRESSORS, create
@@ -27,6 +28,8 @@ SPECS = {
     "randk": "randk:0.1",
     "powersgd": "powersgd:2",
 }
+#: Every compressor's name as a test parameter; bf16 casts with torch.
+NAMES = [pytest.param(name, marks=needs_torch) if name == "bf16" else name for name in sorted(SPECS)]
 
 
 def build(name: str, length: int, **options) -> compression.Compressor:
@@ -234,7 +237,7 @@ def test_powersgd_compress_reproduces_a_rank_r_layout(dtype: str) -> None:
     assert np.allclose(out, x, rtol=0, atol=(1e-4 if dtype == "float32" else 1e-11) * np.abs(x).max())
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_payload_sizes(name: str, dtype: str) -> None:
     for n in [0, 1, 7, 64, 513, 1100]:
@@ -285,7 +288,7 @@ def test_randk_is_unbiased() -> None:
     assert np.all(np.count_nonzero(samples, axis=1) == 10)
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", NAMES)
 def test_no_allocation_per_step(name: str) -> None:
     """After a first step, compress, decompress and a (one-rank) allreduce with a residual
     allocate nothing of the buffer's size: below 256 KiB (numpy's casting buffers) for

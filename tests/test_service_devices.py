@@ -18,7 +18,6 @@ from typing import Any, Callable
 import fake_cupy
 import numpy as np
 import pytest
-import torch
 from mpi4py import MPI
 from mpitest import all_ok, comm_of_size, gather_failures
 
@@ -54,9 +53,14 @@ def on_a_thread(fn: Callable[[], Any]) -> Any:
 def test_device_of_names_the_device_or_none_for_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_cupy.install(monkeypatch)
     assert gpu.device_of(np.zeros(3)) is None
-    assert gpu.device_of(torch.zeros(3)) is None
     assert gpu.device_of(fake_cupy.on(1, np.zeros(3))) == 1
     assert gpu.device_of(as_flat(fake_cupy.on(1, np.zeros(3))).data) == 1
+
+
+def test_device_of_a_cpu_tensor_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    fake_cupy.install(monkeypatch)
+    assert gpu.device_of(torch.zeros(3)) is None
 
 
 def test_use_device_sets_the_calling_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,6 +78,7 @@ def test_use_device_sets_the_calling_thread_only(monkeypatch: pytest.MonkeyPatch
 
 
 def test_use_device_sets_torch_once_it_has_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
     fake_cupy.install(monkeypatch)
     chosen: list[int] = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)

@@ -3,6 +3,7 @@
 
     jobs/emulate/cluster.py up --nodes 2 --rate 1gbit      # make it, then check it
     jobs/emulate/cluster.py run -n 2 -- mpidl info         # an MPI job, 2 ranks per node
+    jobs/emulate/cluster.py run --timeout 600 -n 2 -- ...  # ended, all of it, after 10 min
     jobs/emulate/cluster.py shape --rate 100mbit           # another link rate, then check
     jobs/emulate/cluster.py check                          # measure the links again
     jobs/emulate/cluster.py status                         # what exists
@@ -31,6 +32,16 @@ so MPI sees one host per node. Between nodes MPICH would still use shared
 memory (the same kernel) unless told otherwise: ``--netmod ofi-tcp`` (the
 default) sends inter-node messages over TCP through the links. The
 environment (PATH, PYTHONPATH, MPIDL_*) reaches every rank.
+
+A job leaves nothing behind. Hydra starts each proxy, and each proxy each
+rank, in a session of its own, so ending mpiexec's process group (as
+``timeout`` does) does not reach them, nor a process a rank started in a
+session of its own. mpiexec runs in a session of its own, with a tag of the
+job in its environment (``MPIDL_EMULATE_JOB``) that hydra hands to the
+proxies and ranks and they to what they start; when the job exits, runs past
+``run --timeout`` or is interrupted (Ctrl-C, SIGTERM), every process with
+the tag, on every node, is ended (SIGTERM, SIGKILL after 3 s), so that
+nothing of it runs on into the next job.
 
 Check. ``up``, ``shape`` and ``check`` run a 4 MiB MPI ping-pong between the
 nodes in pairs (node1-node2, node3-node4, ...; one rank each, over the same
@@ -63,6 +74,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,6 +95,11 @@ NETMODS = {
     "ucx-tcp": {"MPIR_CVAR_CH4_NETMOD": "ucx", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"},
     "default": {},  # MPICH's choice: shared memory between namespaces, the links unused
 }
+
+#: The environment variable that marks a job's processes (the module docstring), and the
+#: seconds they get between SIGTERM and SIGKILL when the job is ended.
+JOB_TAG = "MPIDL_EMULATE_JOB"
+END_GRACE_S = 3.0
 
 #: The check's message size and how close a shaped link must come to its rate.
 CHECK_BYTES = 4 << 20
@@ -373,6 +390,75 @@ def mpiexec_command(cluster: Cluster, nodes: list[str], per_node: int, netmod: s
     return command
 
 
+def run_job(
+    command: list[str], timeout: float | None = None, capture: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run the MPI job ``command`` (mpiexec and its arguments) to its end; nothing of it is left.
+
+    mpiexec runs in a session of its own, with a new tag in JOB_TAG. When it exits, runs
+    past ``timeout`` seconds (subprocess.TimeoutExpired) or this process is interrupted
+    (KeyboardInterrupt; SIGTERM, which main makes SystemExit), the job is ended
+    (:func:`end_job`) before this returns or raises; a job that exited but left processes
+    running is told on stderr. Output goes to this process's, or is captured (``capture``).
+    """
+    tag = uuid.uuid4().hex
+    pipe = subprocess.PIPE if capture else None
+    env = {**os.environ, JOB_TAG: tag}
+    with subprocess.Popen(command, env=env, start_new_session=True, stdout=pipe, stderr=pipe, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            left = end_job(proc, tag)
+    if left:
+        print(f"cluster.py: the job exited and left {len(left)} processes running; ended them", file=sys.stderr)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def job_processes(tag: str) -> list[int]:
+    """The live processes whose environment carries JOB_TAG=``tag``: mpiexec, the launchers,
+    hydra's proxies and the ranks in the nodes' namespaces, and what they started."""
+    marked = f"{JOB_TAG}={tag}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # gone meanwhile (a zombie's environment reads empty)
+                if marked in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+    return pids
+
+
+def end_job(proc: subprocess.Popen[str], tag: str) -> list[int]:
+    """End the job of mpiexec ``proc``, tagged ``tag``: SIGTERM to mpiexec's process group
+    and to every process with the tag, SIGKILL to what is still there END_GRACE_S later,
+    until none is left and mpiexec is reaped (or, past 3 END_GRACE_S, what SIGKILL cannot
+    end is left). Ctrl-C and SIGTERM wait until it is done. The processes with the tag
+    it found besides mpiexec (none after a job that exited whole)."""
+    masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        found: set[int] = set()
+        signalled: set[int] = set()
+        start = time.monotonic()
+        while True:
+            late = time.monotonic() - start > END_GRACE_S
+            sig = signal.SIGKILL if late else signal.SIGTERM
+            if proc.poll() is None and (late or proc.pid not in signalled):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)  # mpiexec leads a session and a group of its own
+                signalled.add(proc.pid)
+            left = [pid for pid in job_processes(tag) if pid != proc.pid]
+            for pid in left:
+                if late or pid not in signalled:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+                    signalled.add(pid)
+            found.update(left)
+            if (not left and proc.poll() is not None) or time.monotonic() - start > 3 * END_GRACE_S:
+                return sorted(found)
+            time.sleep(0.05)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, masked)
+
+
 def counters(device: str) -> tuple[int, int]:
     """Bytes received and sent so far by a root-namespace device."""
     stats = Path("/sys/class/net", device, "statistics")
@@ -407,7 +493,7 @@ def verify(cluster: Cluster, nbytes: int = CHECK_BYTES) -> None:
     command += ["--pairs", ",".join(f"{a}-{b}" for a, b in pairs)]
     before = {node: counters(cluster.veth(node)) for node in nodes}
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60 + 16 * slowest * len(pairs))
+        done = run_job(command, timeout=60 + 16 * slowest * len(pairs), capture=True)
     except subprocess.TimeoutExpired as timeout:
         raise ClusterError(f"the check's ping-pong did not finish in {timeout.timeout:.0f} s") from None
     after = {node: counters(cluster.veth(node)) for node in nodes}
@@ -561,11 +647,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> None:
-    """Replace this process by mpiexec running the command on the nodes."""
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the command on the nodes with mpiexec; its exit status (124: past --timeout,
+    130: Ctrl-C), nothing of it left running (run_job)."""
     cluster = recorded()
     if args.n < 1:
         raise ClusterError(f"-n {args.n}: at least 1 rank per node")
+    if args.timeout is not None and args.timeout <= 0:
+        raise ClusterError(f"--timeout {args.timeout:g}: seconds, more than 0")
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise ClusterError("no command: cluster.py run -n RANKS_PER_NODE -- COMMAND...")
@@ -580,10 +669,21 @@ def cmd_run(args: argparse.Namespace) -> None:
     full = mpiexec_command(cluster, nodes, args.n, args.netmod) + command
     if args.dry_run:
         print(shlex.join(full))
-        return
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.stdout.flush()
-    os.execvp(full[0], full)
+    try:
+        done = run_job(full, args.timeout)
+    except subprocess.TimeoutExpired:
+        print(
+            f"cluster.py run: the job ran past --timeout {args.timeout:g} s; it is ended, on every node",
+            file=sys.stderr,
+        )
+        return 124
+    except KeyboardInterrupt:
+        print("cluster.py run: interrupted; the job is ended, on every node", file=sys.stderr)
+        return 130
+    return done.returncode if done.returncode >= 0 else 128 - done.returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,8 +713,9 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser(
         "run",
         help="run an MPI job on the nodes (exit status and output are the job's)",
-        description="Run COMMAND with MPICH's hydra, RANKS_PER_NODE ranks on each node; this process becomes "
-        "mpiexec, so the job's output and exit status are its own. OMP_NUM_THREADS defaults to 1.",
+        description="Run COMMAND with MPICH's hydra, RANKS_PER_NODE ranks on each node; the job's output and "
+        "exit status are its own. When it ends, runs past --timeout or is interrupted (Ctrl-C, SIGTERM), every "
+        "process it started, on every node, is ended. OMP_NUM_THREADS defaults to 1.",
     )
     run.add_argument("-n", type=int, default=1, metavar="RANKS_PER_NODE", help="ranks on each node (default 1)")
     run.add_argument("--nodes", help="the first N nodes, or names: node1,node3 (default: all)")
@@ -624,6 +725,9 @@ def main(argv: list[str] | None = None) -> int:
         default="ofi-tcp",
         help="how messages go between nodes: ofi-tcp (default) or ucx-tcp over the links; default: MPICH's "
         "choice, which is shared memory here (the links unused)",
+    )
+    run.add_argument(
+        "--timeout", type=float, help="end the job, on every node, after this many seconds (exit status 124)"
     )
     run.add_argument("--dry-run", action="store_true", help="print the mpiexec command instead of running it")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND...")

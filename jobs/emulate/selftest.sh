@@ -11,9 +11,12 @@
 #  3. runs on 2 nodes x 2 ranks: `mpidl info` (must report 2 nodes, 2 ranks
 #     each) and a short `mpidl train` with every algorithm and the peers (DDP; Horovod where installed)
 #     (each must finish with a test accuracy);
-#  4. takes the cluster down and looks, independently of cluster.py, for
+#  4. runs a job whose ranks start a process in a session of its own and
+#     sleep: past `run --timeout`, on SIGTERM and on Ctrl-C (SIGINT) it must be
+#     ended on both nodes, nothing of it left in their namespaces;
+#  5. takes the cluster down and looks, independently of cluster.py, for
 #     anything left: namespaces, links, /etc/netns entries, the record;
-#  5. brings 3 nodes up unshaped and down again, and looks once more.
+#  6. brings 3 nodes up unshaped and down again, and looks once more.
 # Exit status 0 when all of it passed. The cluster is taken down on failure
 # or interrupt too, if this script brought it up. Each MPI job is bounded by
 # a timeout (JOB_TIMEOUT seconds, default 240).
@@ -47,6 +50,13 @@ nothing_left() {
     })
     [[ -z $left ]] || fail "left after down: $left"
     echo "nothing left"
+}
+
+# No process in the nodes' namespaces (after a job that was ended: $1 says how).
+nothing_on_nodes() {
+    local left
+    left=$(ip netns pids node1; ip netns pids node2)
+    [[ -z $left ]] || fail "$1: processes left on the nodes: $(ps -o pid=,args= -p "${left//$'\n'/,}")"
 }
 
 # Run an MPI job on the cluster, bounded, its output kept in $out.
@@ -88,6 +98,20 @@ for algorithm in allreduce dpsgd lsgd adpsgd grsgd prague $peers; do
     on_cluster -n 2 -- mpidl train --algorithm "$algorithm" --dataset digits --hidden 16 --epochs 1 --no-progress
     grep '^final: test accuracy' <<<"$out" >/dev/null || fail "mpidl train $algorithm printed no final accuracy"
 done
+
+step "a job past run --timeout, or stopped by SIGTERM or Ctrl-C, is ended on both nodes"
+escape="import subprocess, time; subprocess.Popen(['sleep', '300'], start_new_session=True); time.sleep(300)"
+status=0
+"$cluster" run --timeout 5 -n 2 -- python3 -c "$escape" >/dev/null 2>&1 || status=$?
+((status == 124)) || fail "a job past --timeout exited with $status, not 124"
+nothing_on_nodes "past --timeout"
+for sig in TERM INT; do
+    status=0
+    timeout -s "$sig" -k 15 5 "$cluster" run -n 2 -- python3 -c "$escape" >/dev/null 2>&1 || status=$?
+    ((status == 124)) || fail "cluster.py run did not end on SIG$sig by itself (exit $status)"
+    nothing_on_nodes "SIG$sig"
+done
+echo "nothing left on the nodes"
 
 step "down"
 "$cluster" down

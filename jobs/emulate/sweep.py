@@ -15,8 +15,11 @@ as ``MPIDL_COSTMODEL``). The cluster must be up
 (``cluster.py up --nodes 2``); the sweep leaves it unshaped.
 
 Runs whose JSON exists are not run again (delete them to re-measure), so an
-interrupted sweep continues where it stopped. ``--repeat K`` runs each cell K
-times (files ``ALGO.rK.json``) and the table reports medians.
+interrupted sweep continues where it stopped. A run past ``--timeout`` (or
+interrupted) is ended on every node, nothing of it left to run on into the
+next (``cluster.py run --timeout``), and the sweep stops there. ``--repeat
+K`` runs each cell K times (files ``ALGO.rK.json``) and the table reports
+medians.
 
 The table (``table.rst``, ``table.csv`` and on stdout), one row per model,
 rate and algorithm:
@@ -173,6 +176,21 @@ def cluster(*args: str, capture: bool = False) -> subprocess.CompletedProcess:
     return proc
 
 
+def on_cluster(args: Sequence[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``cluster.py run --timeout TIMEOUT ARGS``, its output captured. cluster.py ends the job
+    on every node when it runs past the timeout or is interrupted; when this sweep is
+    interrupted (Ctrl-C reaches both), it is waited for while it does."""
+    cmd = [sys.executable, str(CLUSTER), "run", "--timeout", f"{timeout:g}", *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            out, err = proc.communicate()
+        except BaseException:
+            proc.terminate()  # in case the interrupt did not reach it
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def link_bytes() -> int:
     """Bytes the nodes have sent over their links: what the root-side end of each node's veth
     received (a byte from node 1 to node 2 leaves node 1's link and enters node 2's; counted
@@ -194,8 +212,7 @@ def calibrate(out: Path, rate: str, ranks: int, timeout: float) -> dict[str, str
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         code = "import collectives, mpidl; mpidl.init(); collectives.cost_params()"
-        cmd = [sys.executable, str(CLUSTER), "run", "-n", str(ranks), "--", "python", "-c", code]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = on_cluster(["-n", str(ranks), "--", "python", "-c", code], timeout, env)
         if proc.returncode != 0 or not path.exists():
             raise SystemExit(f"sweep: calibration at {rate} failed: {proc.stdout}{proc.stderr}")
     return env
@@ -220,14 +237,13 @@ def run_cell(
     argv = ["python", "-m", "mpidl", "train", *ALGORITHMS[algo], *model.args, *extra]
     argv += ["--no-progress", "--json", str(partial)]
     before, t0 = link_bytes(), time.monotonic()
-    cmd = [sys.executable, str(CLUSTER), "run", "-n", str(ranks), "--", *argv]
     print(f"sweep: {rate:>8} {model.name:<8} {algo:<28} ", end="", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = on_cluster(["-n", str(ranks), "--", *argv], timeout, env)
     wall, carried = time.monotonic() - t0, link_bytes() - before
     if proc.returncode != 0:
         print(f"failed ({proc.returncode})")
         (path.with_suffix(".err")).write_text(proc.stdout + proc.stderr)
-        raise SystemExit(f"sweep: {shlex.join(cmd)} failed; see {path.with_suffix('.err')}")
+        raise SystemExit(f"sweep: {shlex.join(proc.args)} failed; see {path.with_suffix('.err')}")
     run = json.loads(partial.read_text())
     run["sweep"] = {"rate": rate, "model": model.name, "algorithm": algo, "link_bytes": carried, "wall_s": wall}
     run["sweep"]["command"] = shlex.join(["jobs/emulate/cluster.py", "run", "-n", str(ranks), "--", *argv[:-2]])
@@ -398,7 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs per cell; the table gives medians (default 1)")
     p.add_argument("--quick", action="store_true", help="only the small models, unshaped and 1gbit, 2 epochs")
     p.add_argument("--plot", action="store_true", help="draw plots/MODEL.png (needs matplotlib)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per run (default 1800)")
+    p.add_argument(
+        "--timeout", type=float, default=1800, help="seconds per run; then it is ended on every node (default 1800)"
+    )
     p.add_argument("--report-only", action="store_true", help="make the table from the runs there; run nothing")
     args = p.parse_args(argv)
     rates, models = args.rates.split(","), [MODELS[m] for m in args.models.split(",")]
