@@ -17,6 +17,8 @@ folder is ignored and overwritten by the next run.
 
 A file is a numpy ``.npz`` archive (no pickle: loading runs no code): the
 worker's arrays, plus one JSON document (key ``info``) for everything else.
+A file that cannot be read, is truncated or corrupt is a :class:`CheckpointError`
+naming it and the problem (:func:`load`).
 """
 
 from __future__ import annotations
@@ -89,15 +91,34 @@ def latest(directory: str) -> str | None:
         return None
 
 
-def load(directory: str, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Worker ``rank``'s (arrays, info) from the newest complete checkpoint in ``directory``."""
+def rank_file(directory: str, rank: int) -> str:
+    """The path of worker ``rank``'s file in the newest complete checkpoint in ``directory``.
+
+    Raises:
+        CheckpointError: there is no checkpoint in ``directory``.
+    """
     name = latest(directory)
     if name is None:
         raise CheckpointError(f"no checkpoint in {directory} (its '{_LATEST}' file is missing)")
-    path = os.path.join(directory, name, f"rank-{rank}.npz")
+    return os.path.join(directory, name, f"rank-{rank}.npz")
+
+
+def load(directory: str, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Worker ``rank``'s (arrays, info) from the newest complete checkpoint in ``directory``.
+
+    Raises:
+        CheckpointError: no checkpoint, or the worker's file unreadable, truncated or
+            corrupt (naming the file and the problem).
+    """
+    path = rank_file(directory, rank)
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
-    except (OSError, ValueError) as exc:
+        info = json.loads(str(arrays.pop(_INFO)))
+    except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
-    return arrays, json.loads(str(arrays.pop(_INFO)))
+    except Exception as exc:  # a damaged archive: BadZipFile, EOFError, KeyError, ValueError, NotImplementedError...
+        raise CheckpointError(f"{path} is truncated or corrupt ({type(exc).__name__}: {exc})") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path} is corrupt (its '{_INFO}' is not a JSON object)")
+    return arrays, info

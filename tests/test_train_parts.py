@@ -350,3 +350,24 @@ def test_checkpoints_keep_the_two_newest_and_drop_those_of_an_abandoned_continua
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000020", "step-000025"]
     arrays, info = checkpoint.load(str(tmp_path), 0)
     assert info == {"step": 25} and arrays["x"].tolist() == [25] * 3
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda p: _truncate(p, 100), "is truncated or corrupt (BadZipFile: File is not a zip file)"),
+        (lambda p: _truncate(p, 0), "is truncated or corrupt (EOFError: No data left in file)"),
+        (lambda p: _flip_byte(p, 200), "is truncated or corrupt (BadZipFile: Bad CRC-32 for file 'x.npy')"),
+        (lambda p: p.write_bytes(b"garbage" * 100), "is truncated or corrupt (ValueError: "),
+        (lambda p: np.savez(p, x=np.arange(3)), "is truncated or corrupt (KeyError: 'info')"),
+        (lambda p: np.savez(p, info=np.array("[1]")), "is corrupt (its 'info' is not a JSON object)"),
+    ],
+    ids=["truncated", "empty", "flipped", "garbage", "no-info", "info-not-an-object"],
+)
+def test_a_damaged_checkpoint_file_is_named(damage, problem: str, tmp_path) -> None:
+    checkpoint.save(str(tmp_path), 7, MPI.COMM_SELF, {"x": np.arange(3.0)}, {"step": 7})
+    path = tmp_path / "step-000007" / "rank-0.npz"
+    damage(path)
+    with pytest.raises(checkpoint.CheckpointError) as exc:
+        checkpoint.load(str(tmp_path), 0)
+    assert str(exc.value).startswith(f"{path} {problem}"), exc.value
