@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -350,6 +351,72 @@ def test_checkpoints_keep_the_two_newest_and_drop_those_of_an_abandoned_continua
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000020", "step-000025"]
     arrays, info = checkpoint.load(str(tmp_path), 0)
     assert info == {"step": 25} and arrays["x"].tolist() == [25] * 3
+
+
+def _save(folder, step: int) -> None:
+    checkpoint.save(str(folder), step, MPI.COMM_SELF, {"x": np.full(3, step)}, {"step": step})
+
+
+def _steps(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != "latest")
+
+
+def test_checkpoints_are_pruned_by_their_step_numbers(tmp_path) -> None:
+    """From 999,999 to 1,000,000 the names gain a digit: the two newest stay all the same, and
+    a run resumed from 999,999 that left 1,000,000 and a half-written 1,000,001 behind keeps
+    the checkpoint it resumed from."""
+    for step in (999_998, 999_999, 1_000_000):
+        _save(tmp_path, step)
+    assert _steps(tmp_path) == ["step-1000000", "step-999999"]
+    assert checkpoint.load(str(tmp_path), 0)[1] == {"step": 1_000_000}
+    (tmp_path / "step-1000001").mkdir()
+    (tmp_path / "latest").write_text("step-999999")  # the run resumed from there
+    _save(tmp_path, 1_000_000)
+    assert _steps(tmp_path) == ["step-1000000", "step-999999"]
+    _save(tmp_path, 1_000_001)
+    assert _steps(tmp_path) == ["step-1000000", "step-1000001"]
+    assert checkpoint.load(str(tmp_path), 0)[1] == {"step": 1_000_001}
+
+
+def test_a_checkpoint_removes_the_temporary_files_of_killed_writers(tmp_path) -> None:
+    """A job killed while writing ``latest`` and a worker killed while writing step 20's file
+    left temporary files; the next checkpoint (step 20 again) removes them."""
+    _save(tmp_path, 10)
+    (tmp_path / ".tmp-latest-of-a-killed-job").write_bytes(b"step-0")
+    (tmp_path / "step-000020").mkdir()
+    (tmp_path / "step-000020" / ".tmp-rank-of-a-killed-job").write_bytes(b"\0" * 10)
+    _save(tmp_path, 20)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["latest", "step-000010", "step-000010/rank-0.npz", "step-000020", "step-000020/rank-0.npz"]
+
+
+def test_a_checkpoint_is_durable_before_latest_names_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each file is fsynced before its rename and its folder after it: the worker's file in the
+    step folder, then ``latest`` in the checkpoint folder (which holds the step folder's entry)."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd: int) -> None:
+        events.append(("fsync", os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def recorded_replace(src: str, dst: str) -> None:
+        replace(src, dst)
+        events.append(("replace", os.stat(dst).st_ino))
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    _save(tmp_path, 10)
+    file, folder = tmp_path / "step-000010" / "rank-0.npz", tmp_path / "step-000010"
+    latest = tmp_path / "latest"
+    assert events == [
+        ("fsync", file.stat().st_ino),
+        ("replace", file.stat().st_ino),
+        ("fsync", folder.stat().st_ino),
+        ("fsync", latest.stat().st_ino),
+        ("replace", latest.stat().st_ino),
+        ("fsync", tmp_path.stat().st_ino),
+    ]
 
 
 @pytest.mark.parametrize(
