@@ -266,7 +266,8 @@ class LSGD(Algorithm):
         ``representative``: whether this worker kept one."""
         if self._compression is None:
             return {}
-        return {"representative": self.representative, **(self.compression.state_dict() if self.compression else {})}
+        memory = self.compression.state_dict() if self.compression is not None else {}
+        return {"representative": self.representative, **memory}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
