@@ -213,15 +213,12 @@ class CompressedSlices:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the memories from ``state`` (:meth:`state_dict`); zero them if the
-        state has none (e.g. a worker that kept none under another layout).
+        """Restore the memories from ``state`` (:meth:`state_dict`).
 
         Raises:
-            ValueError: a memory of another length or dtype.
+            ValueError: a memory missing, or of another length or dtype.
         """
-        if not all(key in state for key in self._memories()):
-            self.reset()
-            return
+        require(state, self._memories(), "the error-feedback memory")
         for key in self._memories():
             values = state[key]
             if values.shape != (self.length,):
@@ -240,6 +237,13 @@ def host_copy(buf: Any) -> np.ndarray:
     """A host copy of the flat buffer ``buf`` (numpy, torch, CuPy; bfloat16 as its bits)."""
     data = as_flat(buf).data
     return data.copy() if isinstance(data, np.ndarray) else data.get()
+
+
+def require(state: dict[str, Any], keys: Sequence[str], what: str) -> None:
+    """Raise ValueError if ``state`` lacks any of ``keys``, which hold ``what``."""
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"the state lacks {', '.join(map(repr, missing))} ({what})")
 
 
 def load_into(buf: Any, values: np.ndarray, what: str) -> None:

@@ -94,7 +94,7 @@ from collectives.transport.context import context
 
 from .background import Background, spare_cores
 from .base import Algorithm
-from .compressed import compressor_for, consensus_step, host_copy, load_into, resolve, variance_factor
+from .compressed import compressor_for, consensus_step, host_copy, load_into, require, resolve, variance_factor
 from .error_feedback import zeros_like
 from .flat import TorchFlatParams
 from .topology import Topology, build
@@ -294,8 +294,7 @@ class DPSGD(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.compressor is not None:
-            if "public" not in state:
-                raise ValueError("the state has no public copies of CHOCO-SGD: it is of an uncompressed D-PSGD")
+            require(state, ("public", "mixed"), "CHOCO-SGD's copies x^ and s; an uncompressed D-PSGD keeps none")
             load_into(self._public, state["public"], "public")
             load_into(self._mixed, state["mixed"], "mixed")
 

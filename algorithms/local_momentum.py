@@ -43,11 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from collectives import ArgumentError, as_flat
+from collectives import ArgumentError
 from collectives.transport.buffers import array_module
 from collectives.transport.scratch import scratch
 
-from .compressed import host_copy, load_into, name_of
+from .compressed import host_copy, load_into, name_of, require
 from .error_feedback import zeros_like
 from .flat import FlatParams
 from .optim import SGD
@@ -133,15 +133,12 @@ class LocalMomentum:
         return {"velocity": host_copy(self.velocity), "velocity_started": self._started.copy()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the velocity from ``state`` (:meth:`state_dict`); start afresh if it has none.
+        """Restore the velocity from ``state`` (:meth:`state_dict`).
 
         Raises:
-            ValueError: a velocity of another length or dtype.
+            ValueError: a velocity missing, or of another length or dtype.
         """
-        if "velocity" not in state:
-            as_flat(self.velocity).data.fill(0)
-            self._started[:] = False
-            return
+        require(state, ("velocity", "velocity_started"), "the local momentum's velocity")
         load_into(self.velocity, np.asarray(state["velocity"]), "the local momentum's velocity")
         self._started[:] = np.asarray(state["velocity_started"], np.bool_)
 

@@ -73,9 +73,11 @@ S_g(t) with the compressor (PowerSGD given the model's matrices), bitwise
 identical on every representative, with an error-feedback memory on each
 representative (on by default for sign, top-k and PowerSGD;
 ``error_feedback=``), kept in its state (``residual``, and ``server`` for
-the reduce-scatter compressors) for checkpoints. The intra-group reduce and
-broadcast stay exact; with one group there is no inter-group exchange and
-nothing is compressed.
+the reduce-scatter compressors) for checkpoints, with ``representative``:
+a worker that is a representative only under a resumed run's other layout
+starts with an empty memory, and a saved representative's state without
+its memory is refused. The intra-group reduce and broadcast stay exact;
+with one group there is no inter-group exchange and nothing is compressed.
 
 Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
 """
@@ -259,14 +261,21 @@ class LSGD(Algorithm):
         delayed = held.copy() if isinstance(held, np.ndarray) else held.get()
         return {**super().state_dict(), "delayed_sum": delayed, **self._memory()}
 
-    def _memory(self) -> dict[str, np.ndarray]:
-        """A representative's error-feedback memory (nothing in flight)."""
-        return self.compression.state_dict() if self.compression is not None else {}
+    def _memory(self) -> dict[str, Any]:
+        """A representative's error-feedback memory (nothing in flight); with compression,
+        ``representative``: whether this worker kept one."""
+        if self._compression is None:
+            return {}
+        memory = self.compression.state_dict() if self.compression is not None else {}
+        return {"representative": self.representative, **memory}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.compression is not None:
-            self.compression.load_state_dict(state)
+            if state.get("representative", True):
+                self.compression.load_state_dict(state)
+            else:  # a representative now, under another layout than the saved worker's: no memory yet
+                self.compression.reset()
         if self.groups == 1:
             return
         self._delayed = "delayed_sum" in state

@@ -14,6 +14,9 @@ as float32, labels int64:
   ``t10k-images-idx3-ubyte[.gz]``, ``t10k-labels-idx1-ubyte[.gz]``) in
   ``--data-dir``, by default :data:`FASHION_MNIST_DIR` (where the Debian
   package ``dataset-fashion-mnist`` puts them). Its own 60,000/10,000 split.
+  A file missing, truncated or corrupt, counts that disagree or labels
+  outside 0..9 are a :class:`DatasetError` naming the file, on every rank
+  (:func:`load`).
 
 Subsets (``--train-samples``, ``--test-samples``; :meth:`Dataset.subset`):
 the first N samples of each split in a fixed order, the same for every run,
@@ -53,6 +56,7 @@ import itertools
 import math
 import operator
 import os
+import zlib
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -66,6 +70,8 @@ SPLIT_SEED = 0
 TEST_FRACTION = 0.2
 #: Where the Debian package ``dataset-fashion-mnist`` installs the IDX files.
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+#: Fashion-MNIST's classes: labels are 0..9.
+FASHION_MNIST_CLASSES = 10
 
 # Keys that keep the generators of the shard permutation and of each epoch's order apart.
 _SHARD_STREAM, _EPOCH_STREAM = 0, 1
@@ -147,24 +153,41 @@ def load_digits() -> Dataset:
 
 
 def load_fashion_mnist(data_dir: str | None = None) -> Dataset:
-    """Fashion-MNIST from its IDX files in ``data_dir`` (default :data:`FASHION_MNIST_DIR`)."""
+    """Fashion-MNIST from its IDX files in ``data_dir`` (default :data:`FASHION_MNIST_DIR`).
+
+    Raises:
+        DatasetError: a file missing, unreadable, truncated or corrupt, images that
+            are not 2-D or differ in shape between the splits, labels that are not
+            integers in 0..9, or counts of images and labels that differ (naming the file).
+    """
     folder = data_dir or FASHION_MNIST_DIR
-    parts = [
-        read_idx(_find(folder, f"{split}-{kind}"))
-        for split in ("train", "t10k")
-        for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")
-    ]
-    x_tr, y_tr, x_te, y_te = parts
-    for x, y in ((x_tr, y_tr), (x_te, y_te)):
-        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-            raise DatasetError(f"Fashion-MNIST in {folder}: images {x.shape} do not match labels {y.shape}")
+    splits = []
+    for split in ("train", "t10k"):
+        images, labels = _find(folder, f"{split}-images-idx3-ubyte"), _find(folder, f"{split}-labels-idx1-ubyte")
+        x, y = read_idx(images), read_idx(labels)
+        if x.ndim != 3:
+            raise DatasetError(f"{images}: images of shape {x.shape}, not (count, rows, columns)")
+        if y.ndim != 1 or y.dtype.kind not in "iu":
+            raise DatasetError(f"{labels}: labels of shape {y.shape} and type {y.dtype}, not a vector of integers")
+        if len(x) != len(y):
+            raise DatasetError(f"{images} holds {len(x)} images, {labels} {len(y)} labels")
+        bad = np.flatnonzero((y < 0) | (y >= FASHION_MNIST_CLASSES))
+        if bad.size:
+            raise DatasetError(
+                f"{labels}: {bad.size} label(s) outside the classes 0..{FASHION_MNIST_CLASSES - 1} "
+                f"(first: {y[bad[0]]} at index {bad[0]})"
+            )
+        splits.append((x, y))
+    (x_tr, y_tr), (x_te, y_te) = splits
+    if x_te.shape[1:] != x_tr.shape[1:]:
+        raise DatasetError(f"Fashion-MNIST in {folder}: test images {x_te.shape[1:]}, training images {x_tr.shape[1:]}")
     return Dataset(
         "fashion-mnist",
         x_tr.reshape(len(x_tr), -1),
         y_tr.astype(np.int64),
         x_te.reshape(len(x_te), -1),
         y_te.astype(np.int64),
-        classes=10,
+        classes=FASHION_MNIST_CLASSES,
         pixel_max=255.0,
         shape=(1, int(x_tr.shape[1]), int(x_tr.shape[2])),
     )
@@ -181,17 +204,35 @@ _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 
 
 
 def read_idx(path: str) -> np.ndarray:
-    """Read an IDX file (gzipped when its name ends in ``.gz``) into an array of its shape."""
+    """Read an IDX file (gzipped when its name ends in ``.gz``) into an array of its shape.
+
+    Raises:
+        DatasetError: the file unreadable, a truncated or corrupt gzip stream, a bad
+            magic number, or a size that does not match the header (naming the file).
+    """
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        blob = f.read()
+    try:
+        with opener(path, "rb") as f:
+            blob = f.read()
+    except EOFError:
+        raise DatasetError(f"{path}: truncated (the gzip stream ends before its end marker)") from None
+    except (gzip.BadGzipFile, zlib.error) as exc:
+        raise DatasetError(f"{path}: corrupt gzip file ({exc})") from None
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot be read ({exc.strerror})") from None
     if len(blob) < 4 or blob[0] != 0 or blob[1] != 0 or blob[2] not in _IDX_DTYPES:
         raise DatasetError(f"{path}: not an IDX file (bad magic number)")
     dtype, ndim = np.dtype(_IDX_DTYPES[blob[2]]), blob[3]
     header = 4 + 4 * ndim
-    shape = tuple(int(d) for d in np.frombuffer(blob, ">u4", ndim, offset=4)) if len(blob) >= header else ()
-    if len(blob) != header + math.prod(shape) * dtype.itemsize or len(shape) != ndim:
-        raise DatasetError(f"{path}: {len(blob)} bytes do not match the IDX header (shape {shape}, {dtype})")
+    if len(blob) < header:
+        raise DatasetError(f"{path}: truncated ({len(blob)} bytes, the IDX header of {ndim} dimensions {header})")
+    shape = tuple(int(d) for d in np.frombuffer(blob, ">u4", ndim, offset=4))
+    size = header + math.prod(shape) * dtype.itemsize
+    if len(blob) != size:
+        raise DatasetError(
+            f"{path}: {'truncated' if len(blob) < size else 'too long'} ({len(blob)} bytes; "
+            f"the IDX header says {size}: shape {shape} of {dtype})"
+        )
     return np.frombuffer(blob, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
 
 
@@ -211,21 +252,24 @@ def load(name: str, data_dir: str | None = None, comm: MPI.Comm | None = None) -
     """Load dataset ``name`` on rank 0 of ``comm`` and give every rank a normalized copy (collective).
 
     Raises:
-        DatasetError: on every rank, if rank 0 could not load it.
+        DatasetError: on every rank, if rank 0 could not load it (whatever it raised).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    raw, error = None, None
+    raw, error, failure = None, None, None
     if comm.Get_rank() == 0:
         try:
             loader = DATASETS.get(name)
             if loader is None:
                 raise DatasetError(f"unknown dataset {name!r}; valid datasets: {', '.join(DATASETS)}")
             raw = loader(data_dir)
-        except (DatasetError, OSError) as exc:
-            error = str(exc)
+        except Exception as exc:  # shared below: a rank 0 that raised here would leave the others waiting
+            failure = exc
+            error = str(exc) if isinstance(exc, DatasetError) else f"cannot load {name!r}: {type(exc).__name__}: {exc}"
     raw, error = comm.bcast((raw, error), root=0)
+    if isinstance(failure, DatasetError):
+        raise failure
     if error is not None:
-        raise DatasetError(error)
+        raise DatasetError(error) from failure
     return raw.normalized()
 
 

@@ -735,7 +735,13 @@ class _Run:
         checkpoint.save(self.config.checkpoint, step, algo.comm, arrays, info)
 
     def restore(self) -> None:
-        """Continue from the newest checkpoint in ``config.checkpoint`` (local; raises on a mismatch)."""
+        """Continue from the newest checkpoint in ``config.checkpoint`` (local).
+
+        Raises:
+            UsageError: the checkpoint is of another run.
+            checkpoint.CheckpointError: this worker's file cannot be read, or what it
+                holds does not fit (a key missing, an array of another size), naming the file.
+        """
         assert self.config.checkpoint, "restore() without a checkpoint folder"
         arrays, info = checkpoint.load(self.config.checkpoint, self.algo.rank)
         missing = sorted({"run", "step", "time_s", "epoch_s", "loss_sum", "records", "algorithm"} - set(info))
@@ -751,14 +757,20 @@ class _Run:
                 + "; ".join(f"{k} was {old!r}, now {new!r}" for k, (old, new) in differ.items())
             )
         algo = self.algo
-        self.net.load(algo.params, arrays.pop("params"))
-        if algo.flat.has_buffers:
-            self.net.load(algo.state[algo.flat.size :], arrays.pop("buffers"))
-        state = dict(info["algorithm"])
-        for key in [k for k in arrays if k.startswith(_ALGORITHM_ARRAY)]:
-            state[key[len(_ALGORITHM_ARRAY) :]] = arrays.pop(key)
-        self.net.load_optimizer_state(arrays)
-        algo.load_state_dict(state)
+        try:
+            self.net.load(algo.params, arrays.pop("params"))
+            if algo.flat.has_buffers:
+                self.net.load(algo.state[algo.flat.size :], arrays.pop("buffers"))
+            state = dict(info["algorithm"])
+            for key in [k for k in arrays if k.startswith(_ALGORITHM_ARRAY)]:
+                state[key[len(_ALGORITHM_ARRAY) :]] = arrays.pop(key)
+            self.net.load_optimizer_state(arrays)
+            algo.load_state_dict(state)
+        except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # what the file holds does not fit
+            problem = f"lacks {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise checkpoint.CheckpointError(
+                f"{checkpoint.rank_file(self.config.checkpoint, algo.rank)}: {problem}"
+            ) from exc
         self.step, self.time_s, self.epoch_s = info["step"], info["time_s"], info["epoch_s"]
         self.loss_sum, self.records = info["loss_sum"], info["records"]
         self.node_bytes.carry(info.get("internode_bytes", 0))

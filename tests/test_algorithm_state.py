@@ -206,3 +206,60 @@ def test_state_in_flight_or_of_another_model_is_refused_on_every_rank() -> None:
         state = {**algo.state_dict(), "delayed_sum": np.zeros(DIM + 1)}
         with pytest.raises(ValueError, match="delayed_sum has 13 elements of float64, the model 12 of float64"):
             algo.load_state_dict(state)
+
+
+#: Compressed and CHOCO-SGD configurations (with the optimizer's momentum), and a key of their memories.
+MEMORIES = [
+    ("allreduce", {"algorithm": "ring", "compression": "topk:0.25"}, 0.0, "residual"),
+    ("allreduce", {"algorithm": "ring", "compression": "sign@reduce_scatter"}, 0.0, "server"),
+    ("allreduce", {"algorithm": "ring", "compression": "sign"}, 0.9, "velocity"),
+    ("allreduce", {"algorithm": "ring", "compression": "sign"}, 0.9, "velocity_started"),
+    ("lsgd", {"layout": 2, "algorithm": "ring", "compression": "sign"}, 0.0, "residual"),
+    ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}, 0.0, "public"),
+    ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}, 0.0, "mixed"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name, options, momentum, key", MEMORIES, ids=[f"{m[0]}-{m[3]}" for m in MEMORIES])
+def test_a_state_without_a_memory_is_refused_and_the_memory_kept(
+    name: str, options: dict[str, Any], momentum: float, key: str
+) -> None:
+    """A state that lacks a memory raises ValueError naming it on every worker that keeps one
+    (LSGD's representatives), and leaves the memory as it was, not zeroed."""
+    comm = comm_of_size(4)
+    rank = comm.Get_rank()
+    x = np.full(DIM, float(rank))
+    with algorithms.create(name, x, SGD(x, lr=0.1, momentum=momentum), comm, **options) as algo:
+        for t in range(3):
+            algo.step(gradient(x, rank, t))
+        algo.settle()
+        state = through_json(algo.state_dict())
+        wrong = None  # what went wrong on a worker that keeps the memory (not LSGD's non-representatives)
+        if key in state:
+            try:
+                algo.load_state_dict({k: v for k, v in state.items() if k != key})
+                wrong = "loaded"
+            except Exception as exc:  # caught, so that every rank reaches the collective state_dict() below
+                wrong = None if isinstance(exc, ValueError) and f"the state lacks '{key}'" in str(exc) else repr(exc)
+        kept = same(algo.state_dict(), state)
+    assert all_ok(comm, wrong is None and kept), (wrong, kept)
+
+
+def test_lsgd_memory_starts_afresh_on_a_worker_that_was_no_representative() -> None:
+    """Under another layout a representative may resume a worker that kept no memory."""
+    comm = comm_of_size(4)
+    if comm.Get_size() < 2:
+        pytest.skip("needs two groups")
+    rank = comm.Get_rank()
+    x = np.full(DIM, float(rank))
+    with algorithms.create("lsgd", x, SGD(x, lr=0.1), comm, layout=1, algorithm="ring", compression="sign") as algo:
+        for t in range(3):
+            algo.step(gradient(x, rank, t))
+        algo.settle()
+        state = through_json(algo.state_dict())
+        had_memory = np.any(state["residual"] != 0)
+        saved_by_a_non_representative = {k: v for k, v in state.items() if k not in ("residual", "server")}
+        algo.load_state_dict({**saved_by_a_non_representative, "representative": False})
+        after = algo.state_dict()
+    assert all_ok(comm, bool(had_memory) and not np.any(after["residual"]) and not np.any(after.get("server", 0)))

@@ -3,6 +3,7 @@ and consensus on 1..8 ranks, drafts served in close(), trace, bad input."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -160,6 +161,27 @@ def test_trace_lines(spec: str, tmp_path_factory: pytest.TempPathFactory, monkey
     text = Path(path).read_text() if r == 0 else ""
     ok = r != 0 or all(word in text for word in ("request w", "start g", "locks [", "done w", "close w"))
     assert all_ok(comm, ok), text[-2000:]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", ["random", "static"])
+@pytest.mark.parametrize("spec", ["argument", "env"])
+def test_a_trace_file_that_cannot_be_opened_raises_on_every_rank(
+    spec: str, policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the service rank opens the trace; its failure is every rank's ArgumentError, naming the file."""
+    comm = MPI.COMM_WORLD
+    path = comm.bcast(str(tmp_path / "no-such-folder" / "gg.log"))  # rank 0's: the one in the message
+    if spec == "env":
+        monkeypatch.setenv("MPIDL_GG_TRACE", path)
+    source = " (from MPIDL_GG_TRACE)" if spec == "env" else ""
+    message = f"rank 0 cannot open the group generator's trace file '{path}'{source}: No such file or directory"
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        PReduce(np.zeros(3), comm, policy=policy, trace=path if spec == "argument" else None)
+    x = np.full(3, float(comm.Get_rank()))
+    with PReduce(x, comm, group_size=comm.Get_size(), policy=policy, trace=False) as pr:  # nothing left half set up
+        pr.average()
+    assert all_ok(comm, np.array_equal(x, np.full(3, (comm.Get_size() - 1) / 2)))
 
 
 def test_close_alone_is_clean_and_idempotent() -> None:

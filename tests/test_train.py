@@ -202,6 +202,55 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path_factory: pytest.TempPa
     assert rc == 2 and "the checkpoint is of another run: lr was 0.05, now 0.1" in stderr
 
 
+def _damage(folder: Path, damage: str) -> Path:
+    """Damage rank 1's file of the checkpoint after step 23 in ``folder``: ``truncated``, or
+    leave out the entry ``damage``; return the file."""
+    path = folder / "step-000023" / "rank-1.npz"
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    else:
+        with np.load(path) as archive:
+            kept = {key: archive[key] for key in archive.files if key != damage}
+        np.savez(path, **kept)
+    return path
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "algorithm, damages",
+    [
+        (
+            "allreduce",
+            {
+                "truncated": " is truncated or corrupt (BadZipFile: ",
+                "params": ": lacks 'params'",
+                "algorithm.residual": ": the state lacks 'residual' (the error-feedback memory)",
+            },
+        ),
+        ("dpsgd", {"algorithm.mixed": ": the state lacks 'mixed' (CHOCO-SGD's copies x^ and s"}),
+    ],
+)
+def test_a_damaged_checkpoint_is_named_on_every_rank(
+    algorithm: str, damages: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Resuming from a checkpoint whose rank-1 file is truncated or lacks an entry (the
+    error-feedback memory, CHOCO-SGD's mix) ends every rank with one error naming the file,
+    within 60 s; nothing is zeroed silently."""
+    out = tmp_path_factory.mktemp("damaged")
+    common = ["--algorithm", algorithm, "--compression", "topk:0.25", "--backend", "numpy", "--hidden", "16"]
+    rc, _, stderr = train(2, *common, "--epochs", "1", "--no-progress", "--checkpoint", str(out / "saved"))
+    assert rc == 0, stderr
+    for damage, problem in damages.items():
+        folder = out / damage
+        on_rank0_quietly(shutil.copytree, out / "saved", folder)
+        path = on_rank0_quietly(_damage, folder, damage)
+        resume = ["-m", "mpidl", "train", *common, "--epochs", "2", "--no-progress", "--checkpoint", str(folder)]
+        proc = on_rank0_quietly(mpiexec, 2, [*resume, "--resume"], timeout=60)
+        message = f"mpidl train: error: rank 1: {path}{problem}"
+        assert proc.returncode == 2 and proc.stderr.count(message) == 1, (damage, proc.stderr)
+        assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("algorithm", ["adpsgd", "prague"])
 def test_workers_step_at_their_own_speed_with_a_straggler(
     algorithm: str, tmp_path_factory: pytest.TempPathFactory

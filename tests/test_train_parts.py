@@ -1,10 +1,12 @@
-"""The pieces of ``mpidl train`` that need no MPI job: data, models, option parsing."""
+"""The pieces of ``mpidl train`` that need no MPI job: data, models, option parsing;
+and a damaged dataset file, named on every rank."""
 
 from __future__ import annotations
 
 import argparse
 import gzip
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -58,13 +60,19 @@ def _write_idx(path, array: np.ndarray, code: int) -> None:
         f.write(blob)
 
 
-def test_fashion_mnist_reads_gzipped_and_raw_idx_files(tmp_path) -> None:
+def _write_fashion(folder) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A tiny Fashion-MNIST in ``folder``: images gzipped, labels raw (both forms are found)."""
     rng = np.random.default_rng(0)
     images = {s: rng.integers(0, 256, (n, 28, 28), dtype=np.uint8) for s, n in (("train", 6), ("t10k", 4))}
     labels = {s: rng.integers(0, 10, len(images[s]), dtype=np.uint8) for s in images}
-    for split in images:  # images gzipped, labels raw: both forms are found
-        _write_idx(tmp_path / f"{split}-images-idx3-ubyte.gz", images[split], 0x08)
-        _write_idx(tmp_path / f"{split}-labels-idx1-ubyte", labels[split], 0x08)
+    for split in images:
+        _write_idx(folder / f"{split}-images-idx3-ubyte.gz", images[split], 0x08)
+        _write_idx(folder / f"{split}-labels-idx1-ubyte", labels[split], 0x08)
+    return images, labels
+
+
+def test_fashion_mnist_reads_gzipped_and_raw_idx_files(tmp_path) -> None:
+    images, labels = _write_fashion(tmp_path)
     ds = data.load_fashion_mnist(str(tmp_path))
     assert ds.x_train.shape == (6, 784) and ds.x_test.shape == (4, 784) and ds.features == 784
     assert ds.shape == (1, 28, 28)
@@ -81,12 +89,72 @@ def test_idx_errors_are_clear(tmp_path) -> None:
         data.read_idx(str(tmp_path / "bad"))
     _write_idx(tmp_path / "short", np.zeros((3, 2), np.uint8), 0x08)
     (tmp_path / "short").write_bytes((tmp_path / "short").read_bytes()[:-1])
-    with pytest.raises(data.DatasetError, match="do not match the IDX header"):
+    with pytest.raises(data.DatasetError, match=r"short: truncated \(17 bytes; the IDX header says 18"):
         data.read_idx(str(tmp_path / "short"))
     _write_idx(tmp_path / "wide", np.arange(6, dtype=">i4").reshape(2, 3), 0x0C)
     assert data.read_idx(str(tmp_path / "wide")).tolist() == [[0, 1, 2], [3, 4, 5]]
     with pytest.raises(data.DatasetError, match=r"train-images-idx3-ubyte.*not found"):
         data.load_fashion_mnist(str(tmp_path))
+
+
+def _truncate(path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def _flip_byte(path, at: int, blob: bytes | None = None) -> None:
+    """Write ``blob`` (default: the file's bytes) to ``path`` with byte ``at`` inverted."""
+    damaged = bytearray(path.read_bytes() if blob is None else blob)
+    damaged[at] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+
+
+def _labels(path, labels: list[int]) -> None:
+    _write_idx(path, np.array(labels, np.uint8), 0x08)
+
+
+#: Damage done to one file of :func:`_write_fashion`'s dataset, and the problem that names it.
+DAMAGE = {
+    "truncated-gzip": (
+        "train-images-idx3-ubyte.gz",
+        lambda p: _truncate(p, 3000),
+        "truncated (the gzip stream ends before its end marker)",
+    ),
+    "corrupt-gzip": ("t10k-images-idx3-ubyte.gz", lambda p: _flip_byte(p, 1500), "corrupt gzip file (CRC check failed"),
+    "corrupt-deflate": (  # the first deflate block's header: the 10-byte gzip header of gzip.compress precedes it
+        "t10k-images-idx3-ubyte.gz",
+        lambda p: _flip_byte(p, 10, gzip.compress(gzip.decompress(p.read_bytes()))),
+        "corrupt gzip file (Error -3 while decompressing data: invalid block type)",
+    ),
+    "not-gzip": ("train-images-idx3-ubyte.gz", lambda p: p.write_bytes(b"\0\0\x08\x01" * 8), "corrupt gzip file"),
+    "truncated-idx": (
+        "train-labels-idx1-ubyte",
+        lambda p: _truncate(p, 10),
+        "truncated (10 bytes; the IDX header says 14",
+    ),
+    "bad-magic": ("t10k-labels-idx1-ubyte", lambda p: _flip_byte(p, 0), "not an IDX file (bad magic number)"),
+    "counts": ("t10k-labels-idx1-ubyte", lambda p: _labels(p, [1, 2, 3]), "holds 4 images, "),
+    "labels": (
+        "t10k-labels-idx1-ubyte",
+        lambda p: _labels(p, [1, 9, 10, 255]),
+        "2 label(s) outside the classes 0..9 (first: 10 at index 2)",
+    ),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_fashion_mnist_file_is_named_on_every_rank(damage: str, tmp_path) -> None:
+    """Rank 0 reads the files; what is wrong with one of them is every rank's DatasetError."""
+    comm = MPI.COMM_WORLD
+    name, spoil, problem = DAMAGE[damage]
+    folder = comm.bcast(tmp_path)  # rank 0's
+    if comm.Get_rank() == 0:
+        _write_fashion(folder)
+        spoil(folder / name)
+    with pytest.raises(data.DatasetError) as exc:
+        data.load("fashion-mnist", str(folder), comm)
+    assert str(folder / name) in str(exc.value) and problem in str(exc.value), exc.value
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn")
@@ -283,3 +351,90 @@ def test_checkpoints_keep_the_two_newest_and_drop_those_of_an_abandoned_continua
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000020", "step-000025"]
     arrays, info = checkpoint.load(str(tmp_path), 0)
     assert info == {"step": 25} and arrays["x"].tolist() == [25] * 3
+
+
+def _save(folder, step: int) -> None:
+    checkpoint.save(str(folder), step, MPI.COMM_SELF, {"x": np.full(3, step)}, {"step": step})
+
+
+def _steps(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != "latest")
+
+
+def test_checkpoints_are_pruned_by_their_step_numbers(tmp_path) -> None:
+    """From 999,999 to 1,000,000 the names gain a digit: the two newest stay all the same, and
+    a run resumed from 999,999 that left 1,000,000 and a half-written 1,000,001 behind keeps
+    the checkpoint it resumed from."""
+    for step in (999_998, 999_999, 1_000_000):
+        _save(tmp_path, step)
+    assert _steps(tmp_path) == ["step-1000000", "step-999999"]
+    assert checkpoint.load(str(tmp_path), 0)[1] == {"step": 1_000_000}
+    (tmp_path / "step-1000001").mkdir()
+    (tmp_path / "latest").write_text("step-999999")  # the run resumed from there
+    _save(tmp_path, 1_000_000)
+    assert _steps(tmp_path) == ["step-1000000", "step-999999"]
+    _save(tmp_path, 1_000_001)
+    assert _steps(tmp_path) == ["step-1000000", "step-1000001"]
+    assert checkpoint.load(str(tmp_path), 0)[1] == {"step": 1_000_001}
+
+
+def test_a_checkpoint_removes_the_temporary_files_of_killed_writers(tmp_path) -> None:
+    """A job killed while writing ``latest`` and a worker killed while writing step 20's file
+    left temporary files; the next checkpoint (step 20 again) removes them."""
+    _save(tmp_path, 10)
+    (tmp_path / ".tmp-latest-of-a-killed-job").write_bytes(b"step-0")
+    (tmp_path / "step-000020").mkdir()
+    (tmp_path / "step-000020" / ".tmp-rank-of-a-killed-job").write_bytes(b"\0" * 10)
+    _save(tmp_path, 20)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["latest", "step-000010", "step-000010/rank-0.npz", "step-000020", "step-000020/rank-0.npz"]
+
+
+def test_a_checkpoint_is_durable_before_latest_names_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each file is fsynced before its rename and its folder after it: the worker's file in the
+    step folder, then ``latest`` in the checkpoint folder (which holds the step folder's entry)."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd: int) -> None:
+        events.append(("fsync", os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def recorded_replace(src: str, dst: str) -> None:
+        replace(src, dst)
+        events.append(("replace", os.stat(dst).st_ino))
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    _save(tmp_path, 10)
+    file, folder = tmp_path / "step-000010" / "rank-0.npz", tmp_path / "step-000010"
+    latest = tmp_path / "latest"
+    assert events == [
+        ("fsync", file.stat().st_ino),
+        ("replace", file.stat().st_ino),
+        ("fsync", folder.stat().st_ino),
+        ("fsync", latest.stat().st_ino),
+        ("replace", latest.stat().st_ino),
+        ("fsync", tmp_path.stat().st_ino),
+    ]
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda p: _truncate(p, 100), "is truncated or corrupt (BadZipFile: File is not a zip file)"),
+        (lambda p: _truncate(p, 0), "is truncated or corrupt (EOFError: No data left in file)"),
+        (lambda p: _flip_byte(p, 200), "is truncated or corrupt (BadZipFile: Bad CRC-32 for file 'x.npy')"),
+        (lambda p: p.write_bytes(b"garbage" * 100), "is truncated or corrupt (ValueError: "),
+        (lambda p: np.savez(p, x=np.arange(3)), "is truncated or corrupt (KeyError: 'info')"),
+        (lambda p: np.savez(p, info=np.array("[1]")), "is corrupt (its 'info' is not a JSON object)"),
+    ],
+    ids=["truncated", "empty", "flipped", "garbage", "no-info", "info-not-an-object"],
+)
+def test_a_damaged_checkpoint_file_is_named(damage, problem: str, tmp_path) -> None:
+    checkpoint.save(str(tmp_path), 7, MPI.COMM_SELF, {"x": np.arange(3.0)}, {"step": 7})
+    path = tmp_path / "step-000007" / "rank-0.npz"
+    damage(path)
+    with pytest.raises(checkpoint.CheckpointError) as exc:
+        checkpoint.load(str(tmp_path), 0)
+    assert str(exc.value).startswith(f"{path} {problem}"), exc.value

@@ -164,13 +164,14 @@ class PReduce:
             :data:`GROUP_KERNELS`.
         service_rank: the rank whose thread runs GG.
         trace: GG trace: True/"stderr", "stdout", a file path, an open text
-            stream, or False; None reads ``MPIDL_GG_TRACE``. Written by
-            ``service_rank`` only.
+            stream, or False; None reads ``MPIDL_GG_TRACE``. Opened and
+            written by ``service_rank`` only.
         validate: check the arguments agree across ranks (None reads
             ``MPIDL_VALIDATE``, default on).
 
     Raises:
-        ArgumentError: bad or disagreeing arguments, on every rank.
+        ArgumentError: bad or disagreeing arguments, or a trace file that
+            ``service_rank`` cannot open, on every rank.
     """
 
     def __init__(
@@ -237,8 +238,8 @@ class PReduce:
         self._iteration = 0
         self._closed = False
         self._groups: dict[tuple[int, ...], GroupComm] = {}
+        self._trace = _open_trace(ctx.comm, trace, service_rank)
         self._data = ctx.comm.Dup()
-        self._trace: _Trace | None = _Trace.open(trace) if self.rank == service_rank else None
         self._thread: threading.Thread | None = None
         self._service: _Service | None = None
         self._stalled: watchdog.Reporter | None = None
@@ -418,6 +419,22 @@ def check_options(
     if isinstance(service_rank, bool) or not isinstance(service_rank, int) or not 0 <= service_rank < size:
         raise ArgumentError(f"service_rank must be a rank in 0..{size - 1}, got {service_rank!r}")
     return kernel
+
+
+def _open_trace(comm: MPI.Comm, spec: TraceSpec, service_rank: int) -> _Trace | None:
+    """The GG trace of ``spec`` on ``service_rank``, None elsewhere (collective: a trace
+    that cannot be opened raises ArgumentError on every rank)."""
+    trace, problem = None, None
+    if comm.Get_rank() == service_rank:
+        try:
+            trace = _Trace.open(spec)
+        except OSError as exc:
+            source = f" (from {TRACE_ENV})" if spec is None else ""
+            problem = f"{exc.filename!r}{source}: {exc.strerror}"
+    problem = comm.bcast(problem, root=service_rank)
+    if problem is not None:
+        raise ArgumentError(f"PReduce: rank {service_rank} cannot open the group generator's trace file {problem}")
+    return trace
 
 
 _UNWATCHED = watchdog.Slot()
