@@ -53,10 +53,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("powersgd:2", {}),
 ]
 DTYPES = ("float32", "float64", "float16", "bfloat16")
-#: What needs torch: the bf16 compressor (it casts with torch) and bfloat16 buffers (torch
-#: tensors); the rest of the matrix runs on numpy alone.
-TORCH_CASES = [case for case in CASES if case[0] == "bf16"]
-NUMPY_CASES = [case for case in CASES if case not in TORCH_CASES]
+#: The dtypes of numpy buffers; bfloat16 buffers are torch tensors.
 NUMPY_DTYPES = [dtype for dtype in DTYPES if dtype != "bfloat16"]
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
 

@@ -4,17 +4,18 @@ formula, unbiasedness by statistics, payload sizes, and no allocation per step."
 from __future__ import annotations
 
 import math
+import sys
 import tracemalloc
 
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpitest import needs_torch
 
 from collectives import ArgumentError, compression
 from collectives.compression import COMPRESSORS, create
 from collectives.compression.bits import pack_bits, packed_nbytes, unpack_bits
 from collectives.compression.timing import mlp_shapes, time_codec
+from collectives.transport import ops
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: A spec with its options for every registered compressor (powersgd gets a layout per length).
@@ -28,8 +29,6 @@ SPECS = {
     "randk": "randk:0.1",
     "powersgd": "powersgd:2",
 }
-#: Every compressor's name as a test parameter; bf16 casts with torch.
-NAMES = [pytest.param(name, marks=needs_torch) if name == "bf16" else name for name in sorted(SPECS)]
 
 
 def build(name: str, length: int, **options) -> compression.Compressor:
@@ -188,6 +187,47 @@ def test_casts_round_to_nearest_even(name: str, dtype: str) -> None:
     assert np.array_equal(host(out), host(buffer(expected, dtype)))
 
 
+def _without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``import torch`` fail, as where it is not installed."""
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setattr(ops, "_host_torch", lambda: None)
+
+
+def _float32_edge_cases() -> np.ndarray:
+    """Random float32 bits (NaNs with payloads, subnormals, infinities included), and
+    the values where rounding to bfloat16 ties or carries into the exponent."""
+    bits = np.random.default_rng(1).integers(0, 1 << 32, 20000, dtype=np.uint64).astype(np.uint32)
+    ties = np.array([0x3F808000, 0x3F818000, 0x7F7F8000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00008000, 0x80018000], np.uint32)
+    specials = np.array([0x7F800000, 0xFF800000, 0x7FC00001, 0xFFFFFFFF, 0x7F800001, 0, 0x80000000], np.uint32)
+    return np.concatenate([bits, ties, specials]).view(np.float32)
+
+
+def test_bfloat16_casts_without_torch_are_torchs_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    x = _float32_edge_cases()
+    expected = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    _without_torch(monkeypatch)
+    narrowed = np.zeros(x.size, np.uint16)
+    ops.narrow(x, narrowed, "bfloat16")
+    nan = np.isnan(x)
+    assert np.array_equal(narrowed[~nan], expected[~nan]) and nan.sum() > 50
+    assert np.isnan((narrowed.astype(np.uint32) << 16).view(np.float32)[nan]).all()
+    widened = np.zeros(x.size, np.float32)
+    ops.widen(narrowed, widened, "bfloat16")
+    back = torch.from_numpy(expected.view(np.int16)).view(torch.bfloat16).float().numpy()
+    assert np.array_equal(widened.view(np.uint32), back.view(np.uint32))
+
+
+def test_bf16_compresses_host_buffers_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without_torch(monkeypatch)
+    # 1 + 2^-8 ties to 1 (even), 1 + 3 * 2^-8 to 1 + 2^-6, 2^128 overflows, NaN stays NaN
+    x = np.array([1 + 2**-8, 1 + 3 * 2**-8, -2.5, 3.4e38 * 1.0001, np.nan, 0.0], np.float32)
+    c = create("bf16")
+    out = np.zeros_like(x)
+    c.decompress(c.compress(x), out)
+    assert out[:3].tolist() == [1.0, 1 + 2**-6, -2.5] and np.isposinf(out[3]) and np.isnan(out[4]) and out[5] == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_qsgd_sends_levels_of_the_bucket_unit(dtype: str) -> None:
     c = create("qsgd:3", bucket=10)
@@ -237,7 +277,7 @@ def test_powersgd_compress_reproduces_a_rank_r_layout(dtype: str) -> None:
     assert np.allclose(out, x, rtol=0, atol=(1e-4 if dtype == "float32" else 1e-11) * np.abs(x).max())
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sorted(SPECS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_payload_sizes(name: str, dtype: str) -> None:
     for n in [0, 1, 7, 64, 513, 1100]:
@@ -288,7 +328,7 @@ def test_randk_is_unbiased() -> None:
     assert np.all(np.count_nonzero(samples, axis=1) == 10)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sorted(SPECS))
 def test_no_allocation_per_step(name: str) -> None:
     """After a first step, compress, decompress and a (one-rank) allreduce with a residual
     allocate nothing of the buffer's size: below 256 KiB (numpy's casting buffers) for
