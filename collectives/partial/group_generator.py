@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -273,15 +273,15 @@ class GroupGenerator:
         self._closed.clear()
         self._log("reopen: every worker paused and no group is active; requests are accepted again")
 
-    def stalled(self) -> list[tuple[tuple[str, int], float, str]]:
+    def stalled(self) -> list[tuple[Hashable, float, str]]:
         """Every outstanding request as (key, seconds waited, description naming
         the lock vector and the active groups holding the workers it waits for).
 
-        Read by the stall inspector from another thread: it only reads, and
-        copies the containers first.
+        Read by the stall inspector from another thread: it only reads, each
+        field once, and copies the containers first.
         """
         now = self._clock()
-        out = []
+        out: list[tuple[Hashable, float, str]] = []
         for worker, since in list(self._waiting.items()):
             group = next((g for g in list(self._queue) if worker in g.members), None)
             if group is None:  # smart: waits for enough idle workers
@@ -300,7 +300,7 @@ class GroupGenerator:
             )
             out.append(
                 (
-                    ("gg-request", worker),
+                    ("gg-request", worker, since),
                     now - since,
                     f"mpidl: group generator: the request of worker {worker} {what} for {now - since:.0f} s; "
                     f"locks {self._vector()}" + (f"; {held}" if held else ""),

@@ -147,8 +147,17 @@ def _stalls() -> list[tuple[Hashable, float, str]]:
     now = time.perf_counter()
     with _lock:
         slots, reporters = list(_slots), list(_reporters)
-    found = [((id(s), s.since), now - s.since, s) for s in slots if s.since]
-    out: list[tuple[Hashable, float, str]] = [(key, age, describe(s, age)) for key, age, s in found]
+    out: list[tuple[Hashable, float, str]] = []
+    for s in slots:
+        # The slot's thread ends its wait (since = 0.0) or starts the next one at any
+        # moment: read ``since`` once, and keep the report only if the wait it
+        # describes is still the same one after its operation and peers were read.
+        since = s.since
+        if since:
+            age = now - since
+            message = describe(s, age)
+            if s.since == since:
+                out.append(((id(s), since), age, message))
     for fn in reporters:
         try:
             out.extend(fn())
