@@ -36,13 +36,13 @@ REPORT = re.compile(
 
 
 def run(
-    ranks: int, mode: str, *args: str, env: dict[str, str] | None = None
+    ranks: int, mode: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> tuple[subprocess.CompletedProcess, float]:
     """``tests/scripts/failure.py MODE ARGS`` on ``ranks`` ranks: the finished process, and the
     seconds from the injected failure (as the script announces it) to the end of the job."""
 
     def go():
-        proc = mpiexec(ranks, ["tests/scripts/failure.py", mode, *args], timeout=120, env=env)
+        proc = mpiexec(ranks, ["tests/scripts/failure.py", mode, *args], timeout=timeout, env=env)
         ended = time.time()
         failed = re.search(rf"^failure.py: rank \d+ {mode} at ([\d.]+)$", proc.stderr, re.M)
         assert failed, f"no failure was injected (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
@@ -92,6 +92,18 @@ def test_exception_on_one_rank_ends_the_job() -> None:
     assert after < SLACK, after
     assert "mpidl: rank 1 failed; aborting the job" in proc.stderr, proc.stderr[-3000:]
     assert "RuntimeError: injected failure on rank 1" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind, rank", [("budget", 0), ("group-generator", 0)])
+def test_exception_in_a_service_thread_ends_the_job(kind: str, rank: int) -> None:
+    """The thread's traceback, naming the rank and the thread, and the exception's exit
+    code, at once: no rank waits for the thread that died."""
+    proc, after = run(2, "thread", kind, timeout=60)
+    err = proc.stderr
+    assert proc.returncode == EXCEPTION_EXIT_CODE, err[-3000:]
+    assert after < SLACK, after
+    assert re.search(rf"^mpidl: rank {rank} \(thread [\w-]+\) failed; aborting the job:$", err, re.M), err[-3000:]
+    assert f"RuntimeError: injected failure in the {kind} thread" in err, err[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["kill", "exit"])

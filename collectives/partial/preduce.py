@@ -38,7 +38,9 @@ growing sleeps (:class:`~collectives.transport.p2p.Backoff`) rather than block: 
 blocking MPI receive busy-waits, and would take a core from the workers
 computing next to it. It handles host control messages only (buffers are
 averaged on the workers' own threads), so it needs no CUDA device. Needs
-``MPI_THREAD_MULTIPLE`` (mpi4py's default). ``close()`` is collective: each
+``MPI_THREAD_MULTIPLE`` (mpi4py's default; refused below it, on every rank,
+at construction); an exception in it ends the job
+(:func:`collectives.transport.threads.start`). ``close()`` is collective: each
 worker sends CLOSE and keeps serving drafts until GG, once all workers have
 closed and no group is active, sends SHUTDOWN; then the thread ends and the
 communicators are freed.
@@ -79,7 +81,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, TextIO, Union
 
@@ -90,7 +91,7 @@ from .. import validation
 from ..errors import ArgumentError, CollectiveError
 from ..kernels import butterfly, halving_doubling, reduce_broadcast, ring
 from ..kernels.plans import Kernel
-from ..transport import gpu, p2p, watchdog
+from ..transport import gpu, p2p, threads, watchdog
 from ..transport.buffers import array_module, as_flat
 from ..transport.context import context
 from ..transport.ops import reduction
@@ -252,9 +253,7 @@ class PReduce:
                 )
                 self._service = _Service(self._ctl, gg, self._trace)
                 self._trace = None  # the service owns it now
-                self._thread = threading.Thread(target=self._service.run, name="mpidl-group-generator", daemon=True)
-                p2p.prompt_threads()
-                self._thread.start()
+                self._thread = threads.start(self._service.run, "mpidl-group-generator")
                 self._stalled = gg.stalled
                 watchdog.add_reporter(self._stalled)
 
@@ -406,7 +405,8 @@ class PReduce:
 def check_options(
     size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int, service_rank: int
 ) -> Kernel:
-    """Raise ArgumentError for a bad option; return the kernel of ``algorithm``."""
+    """Raise ArgumentError for a bad option, or for a policy whose group generator
+    needs a thread level MPI does not provide; return the kernel of ``algorithm``."""
     kernel = GROUP_KERNELS.get(algorithm)
     if kernel is None:
         raise ArgumentError(f"unknown algorithm {algorithm!r}; valid for groups: {', '.join(GROUP_KERNELS)}")
@@ -417,6 +417,8 @@ def check_options(
             raise ArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
     if isinstance(service_rank, bool) or not isinstance(service_rank, int) or not 0 <= service_rank < size:
         raise ArgumentError(f"service_rank must be a rank in 0..{size - 1}, got {service_rank!r}")
+    if policy != "static":
+        threads.require_multiple(f"P-Reduce's group generator (policy {policy!r}) runs on a service thread")
     return kernel
 
 
@@ -432,12 +434,9 @@ class _Service:
         self.paused = gg.state_dict()  # GG's state at the last pause (or the start)
 
     def run(self) -> None:
+        """The thread (an exception ends the job: it would hang every worker)."""
         try:
             self._loop()
-        except BaseException:  # a bug here would hang every worker: fail loudly instead
-            traceback.print_exc()
-            sys.stderr.flush()
-            self.ctl.Abort(1)
         finally:
             if self.trace is not None:
                 self.trace.close()

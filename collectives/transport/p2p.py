@@ -27,7 +27,8 @@ Such a thread also needs the GIL promptly when a message comes, while the
 main thread may be computing in Python: the interpreter hands the GIL over
 only every ``sys.getswitchinterval()`` seconds (5 ms by default), which
 would add up to that to every reply; :func:`prompt_threads` lowers the
-interval, and every service thread calls it when it starts.
+interval, and every service thread calls it when it starts
+(:func:`collectives.transport.threads.start` does).
 
 Every blocking call marks the thread as waiting on its peers for the stall
 inspector (:mod:`collectives.transport.watchdog`). Every payload byte sent

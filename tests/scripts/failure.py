@@ -6,6 +6,9 @@ Modes:
   raise    rank 1 raises in the middle of the run.
   kill     rank 1 is killed (SIGKILL) in the middle of the run.
   exit     rank 1 leaves in the middle of the run with os._exit(1) (no MPI_Finalize, no cleanup).
+  thread KIND  a service thread raises: ``budget`` (the step budget's counting thread,
+           rank 0), ``group-generator`` (P-Reduce's, rank 0); without that ending the
+           job, it ends normally in 20 s.
   train    ``mpidl train ARGS``, where rank 1 kills itself (SIGKILL) when the checkpoint
            after step $FAILURE_KILL_STEP is due, before writing it; with
            $FAILURE_SAVE_RESTORED=DIR, a resumed run first checkpoints the state it
@@ -64,6 +67,30 @@ if mode == "train":
     sys.exit(cli.main(["train", *sys.argv[2:]]))
 
 x = np.ones(1000, np.float32)
+
+if mode == "thread":
+    kind = sys.argv[2]
+
+    def failing(*args: object) -> None:
+        announce()
+        raise RuntimeError(f"injected failure in the {kind} thread")
+
+    end = time.time() + 20
+    if kind == "budget":
+        from mpidl import pacing
+
+        pacing.StepBudget._count = failing
+        budget = pacing.StepBudget(comm, 10**9)
+        budget.begin_epoch()
+        while not budget.over() and time.time() < end:
+            budget.step()
+            time.sleep(0.01)
+    elif kind == "group-generator":
+        collectives.GroupGenerator.request = failing
+        with collectives.PReduce(x, comm, policy="random") as pr:
+            while time.time() < end:
+                pr.average()
+    sys.exit(0)
 
 if mode == "preduce":
     with collectives.PReduce(x, comm, group_size=2, policy="random", seed=1) as pr:
