@@ -94,7 +94,7 @@ def test_exception_on_one_rank_ends_the_job() -> None:
     assert "RuntimeError: injected failure on rank 1" in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("kind, rank", [("budget", 0), ("group-generator", 0)])
+@pytest.mark.parametrize("kind, rank", [("budget", 0), ("group-generator", 0), ("server", 1)])
 def test_exception_in_a_service_thread_ends_the_job(kind: str, rank: int) -> None:
     """The thread's traceback, naming the rank and the thread, and the exception's exit
     code, at once: no rank waits for the thread that died."""

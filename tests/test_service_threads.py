@@ -16,7 +16,7 @@ from algorithms.background import Background
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_service_threads_are_refused_below_thread_multiple(ranks: int) -> None:
     """Under ``MPI_THREAD_SERIALIZED`` every part that would start a thread making MPI
-    calls (Prague's and P-Reduce's group generator, LSGD, the step budget)
+    calls (Prague's and P-Reduce's group generator, AD-PSGD, LSGD, the step budget)
     raises an ArgumentError that says why, on every rank, in bounded time; static
     Prague, which starts none, is created."""
     proc = on_rank0_quietly(mpiexec, ranks, ["tests/scripts/thread_level.py"], timeout=60)
@@ -25,7 +25,7 @@ def test_service_threads_are_refused_below_thread_multiple(ranks: int) -> None:
     assert len(every) == ranks
     for outcomes in every:
         assert outcomes.pop("prague-static") == "created"
-        assert outcomes.keys() == {"prague", "prague-random", "preduce", "lsgd", "step-budget"}
+        assert outcomes.keys() == {"prague", "prague-random", "preduce", "adpsgd", "lsgd", "step-budget"}
         for case, outcome in outcomes.items():
             assert (
                 outcome.startswith("raised ")

@@ -7,8 +7,8 @@ Modes:
   kill     rank 1 is killed (SIGKILL) in the middle of the run.
   exit     rank 1 leaves in the middle of the run with os._exit(1) (no MPI_Finalize, no cleanup).
   thread KIND  a service thread raises: ``budget`` (the step budget's counting thread,
-           rank 0), ``group-generator`` (P-Reduce's, rank 0); without that ending the
-           job, it ends normally in 20 s.
+           rank 0), ``group-generator`` (P-Reduce's, rank 0), ``server`` (AD-PSGD's,
+           on a passive worker); without that ending the job, it ends normally in 20 s.
   train    ``mpidl train ARGS``, where rank 1 kills itself (SIGKILL) when the checkpoint
            after step $FAILURE_KILL_STEP is due, before writing it; with
            $FAILURE_SAVE_RESTORED=DIR, a resumed run first checkpoints the state it
@@ -90,6 +90,14 @@ if mode == "thread":
         with collectives.PReduce(x, comm, policy="random") as pr:
             while time.time() < end:
                 pr.average()
+    elif kind == "server":
+        import algorithms
+        from algorithms import adpsgd
+
+        adpsgd._Server._serve = failing
+        with algorithms.create("adpsgd", x, algorithms.SGD(x, lr=0.0), comm) as algo:
+            while time.time() < end:
+                algo.step(np.zeros_like(x))
     sys.exit(0)
 
 if mode == "preduce":

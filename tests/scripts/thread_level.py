@@ -34,6 +34,7 @@ CASES = {
     "prague": lambda: model("prague"),
     "prague-random": lambda: model("prague", policy="random"),
     "preduce": lambda: collectives.PReduce(np.zeros(8), comm, policy="smart"),
+    "adpsgd": lambda: model("adpsgd"),
     "lsgd": lambda: model("lsgd"),
     "step-budget": lambda: pacing.StepBudget(comm, 10),
     "prague-static": lambda: model("prague", policy="static"),  # no service thread: allowed
