@@ -78,8 +78,10 @@ class StepBudget:
         """Stop counting (collective; after the last epoch is over on every worker)."""
         self._msg[0] = _CLOSE
         self._comm.Send(self._msg, 0, _TO_COUNTER)
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None:  # it ends once every worker has closed
+            p2p.operation("StepBudget.close() (waiting for every worker's close())")
+            with p2p.waiting(self._comm):
+                self._thread.join()
         self._comm.Free()
 
     def _count(self) -> None:

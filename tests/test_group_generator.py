@@ -255,6 +255,26 @@ def test_stalled_reports_each_wait_once_under_its_own_key() -> None:
     release(gg, g3.gid, (0, 1))
 
 
+def test_stalled_names_the_workers_a_pause_waits_for() -> None:
+    clock = Clock()
+    gg = GroupGenerator(3, 2, draw=scripted(), clock=clock)
+    gg.close(0)
+    clock.now += 1
+    gg.close(2)
+    clock.now += 2
+    ((key, age, message),) = gg.stalled()
+    assert age == 3
+    assert message == "mpidl: group generator: workers {w0,w2} called settle() or close(); waiting 3 s for {w1}"
+    gg.close(1)
+    assert gg.finished and gg.stalled() == []
+    gg.reopen()
+    gg.close(1)
+    clock.now += 1
+    ((again, age, message),) = gg.stalled()  # the next pause: a new key
+    assert again != key and age == 1
+    assert message.endswith("workers {w1} called settle() or close(); waiting 1 s for {w0,w2}")
+
+
 def simulate(n: int, k: int, policy: str, iterations: int, seed: int) -> None:
     """Run the worker protocol of collectives.partial.preduce against the GG, one random action at a time.
 

@@ -299,7 +299,7 @@ class PReduce:
             raise CollectiveError("PReduce.settle() after close()")
         if self.policy != "static":
             self._tell(PAUSE)
-            while self._serve(watched=False) is not None:  # others may still be training: not a stall
+            while self._serve("settle") is not None:
                 pass
 
     def state_dict(self) -> dict[str, Any]:
@@ -332,13 +332,13 @@ class PReduce:
             return
         self._closed = True
         if self.policy != "static":
-            if self._stalled is not None:
-                watchdog.remove_reporter(self._stalled)
             self._tell(CLOSE)
-            while self._serve(watched=False) is not None:  # others may train on for long: not a stall
+            while self._serve("close") is not None:
                 pass
             if self._thread is not None:
                 self._thread.join()
+            if self._stalled is not None:  # its stalls are over only now
+                watchdog.remove_reporter(self._stalled)
             self._ctl.Free()
         elif self._trace is not None:
             self._trace.close()
@@ -350,15 +350,17 @@ class PReduce:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _serve(self, watched: bool = True) -> bool | None:
+    def _serve(self, call: str = "average") -> bool | None:
         """Run the next group GG notified: True if it served this rank's request,
-        None on SHUTDOWN or QUIET.
-
-        ``watched``: the wait is a stall if it lasts (not while pausing or closing).
-        """
+        None on SHUTDOWN or QUIET. ``call``: the method waiting (for the stall inspector)."""
         t = time.perf_counter()
-        p2p.operation(f"P-Reduce (waiting for a group from the group generator on rank {self._service_rank})")
-        blocked = p2p.watch(self._ctl, (self._service_rank,)) if watched else _UNWATCHED
+        p2p.operation(
+            f"P-Reduce (waiting for a group from the group generator on rank {self._service_rank})"
+            if call == "average"
+            else f"P-Reduce {call}() (waiting for every worker's {call}() at the group generator "
+            f"on rank {self._service_rank})"
+        )
+        blocked = p2p.watch(self._ctl, (self._service_rank,))
         try:
             backoff = p2p.Backoff()
             while not self._ctl.Iprobe(self._service_rank, TO_WORKER):
@@ -420,9 +422,6 @@ def check_options(
     if policy != "static":
         threads.require_multiple(f"P-Reduce's group generator (policy {policy!r}) runs on a service thread")
     return kernel
-
-
-_UNWATCHED = watchdog.Slot()
 
 
 class _Service:

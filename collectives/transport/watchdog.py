@@ -9,7 +9,8 @@ second (or more often for short limits):
   warning on the ``collectives.watchdog`` logger and on stderr, naming the
   operation, this rank and the peers (as ranks of ``MPI.COMM_WORLD``);
   reporters add stalls they see themselves (the P-Reduce group generator:
-  queued groups, with the lock vector and the groups holding the locks);
+  queued groups, with the lock vector and the groups holding the locks, and
+  the workers that a ``settle()`` or ``close()`` waits for);
 * one blocked for longer than ``abort`` seconds ends the whole job:
   the message goes to stderr and ``MPI_Abort`` is called on
   ``MPI.COMM_WORLD`` with exit code 3, so the launcher (mpiexec, srun) stops

@@ -6,6 +6,9 @@ Modes:
   raise    rank 1 raises in the middle of the run.
   kill     rank 1 is killed (SIGKILL) in the middle of the run.
   exit     rank 1 leaves in the middle of the run with os._exit(1) (no MPI_Finalize, no cleanup).
+  late OP  rank 1 comes 3 s late into OP, where the others wait for it: ``settle`` or
+           ``close`` (P-Reduce), ``neighbor`` (neighbor averaging); then the job ends
+           normally.
   thread KIND  a service thread raises: ``budget`` (the step budget's counting thread,
            rank 0), ``group-generator`` (P-Reduce's, rank 0), ``server`` (AD-PSGD's,
            on a passive worker); without that ending the job, it ends normally in 20 s.
@@ -67,6 +70,29 @@ if mode == "train":
     sys.exit(cli.main(["train", *sys.argv[2:]]))
 
 x = np.ones(1000, np.float32)
+
+if mode == "late":
+    op = sys.argv[2]
+
+    def late() -> None:
+        if rank == 1:
+            announce()
+            time.sleep(3)
+
+    if op in ("settle", "close"):
+        with collectives.PReduce(x, comm, policy="random") as pr:
+            pr.average()
+            pr.settle()  # no group left to run: the others wait for rank 1 alone
+            late()
+            if op == "settle":
+                pr.settle()
+    elif op == "neighbor":
+        size = comm.Get_size()
+        row = collectives.NeighborWeights(0.5, {(rank - 1) % size: 0.5}, [(rank + 1) % size])
+        collectives.neighbor_allreduce(x, row, comm)
+        late()
+        collectives.neighbor_allreduce(x, row, comm)
+    sys.exit(0)
 
 if mode == "thread":
     kind = sys.argv[2]
