@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from collectives.transport import p2p
+
 #: Checkpoints kept in a folder: the newest and the one before it.
 KEEP = 2
 _LATEST = "latest"
@@ -67,7 +69,9 @@ def save(directory: str, step: int, comm: MPI.Comm, arrays: dict[str, np.ndarray
     os.makedirs(folder, exist_ok=True)
     blob = {**arrays, _INFO: np.array(json.dumps(info))}
     _replace_atomically(os.path.join(folder, f"rank-{comm.Get_rank()}.npz"), lambda f: np.savez(f, **blob))  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
-    comm.Barrier()
+    p2p.operation(f"checkpoint.save(step {step})")
+    with p2p.waiting(comm):
+        comm.Barrier()
     if comm.Get_rank() == 0:
         _replace_atomically(os.path.join(directory, _LATEST), lambda f: f.write(step_name(step).encode()))
         current = step_name(step)
@@ -77,7 +81,8 @@ def save(directory: str, step: int, comm: MPI.Comm, arrays: dict[str, np.ndarray
         older = [name for name in done if name <= current]
         for old in [name for name in done if name > current] + older[:-KEEP]:
             shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
-    comm.Barrier()
+    with p2p.waiting(comm):
+        comm.Barrier()
 
 
 def latest(directory: str) -> str | None:

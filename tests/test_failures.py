@@ -104,6 +104,7 @@ LATE = re.compile(r"mpidl: rank (\d+) \(MainThread\) has waited \d+ s in (.+?) f
         ("settle", "P-Reduce settle() (waiting for every worker's settle() at the group generator on rank 0)"),
         ("close", "P-Reduce close() (waiting for every worker's close() at the group generator on rank 0)"),
         ("neighbor", "neighbor_allreduce"),
+        ("checkpoint", "checkpoint.save(step 2)"),
     ],
 )
 def test_a_rank_late_into_an_operation_is_reported(operation: str, reported: str) -> None:

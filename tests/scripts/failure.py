@@ -7,8 +7,8 @@ Modes:
   kill     rank 1 is killed (SIGKILL) in the middle of the run.
   exit     rank 1 leaves in the middle of the run with os._exit(1) (no MPI_Finalize, no cleanup).
   late OP  rank 1 comes 3 s late into OP, where the others wait for it: ``settle`` or
-           ``close`` (P-Reduce), ``neighbor`` (neighbor averaging); then the job ends
-           normally.
+           ``close`` (P-Reduce), ``neighbor`` (neighbor averaging), ``checkpoint``
+           (writing a checkpoint); then the job ends normally.
   thread KIND  a service thread raises: ``budget`` (the step budget's counting thread,
            rank 0), ``group-generator`` (P-Reduce's, rank 0), ``server`` (AD-PSGD's,
            on a passive worker); without that ending the job, it ends normally in 20 s.
@@ -25,8 +25,10 @@ to end after the failure.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -92,6 +94,16 @@ if mode == "late":
         collectives.neighbor_allreduce(x, row, comm)
         late()
         collectives.neighbor_allreduce(x, row, comm)
+    elif op == "checkpoint":
+        from mpidl import checkpoint
+
+        folder = comm.bcast(tempfile.mkdtemp() if rank == 0 else None)
+        checkpoint.save(folder, 1, comm, {"x": x}, {})
+        late()
+        checkpoint.save(folder, 2, comm, {"x": x}, {})
+        comm.Barrier()
+        if rank == 0:
+            shutil.rmtree(folder)
     sys.exit(0)
 
 if mode == "thread":
