@@ -136,6 +136,21 @@ def test_exception_in_a_service_thread_ends_the_job(kind: str, rank: int) -> Non
     assert f"RuntimeError: injected failure in the {kind} thread" in err, err[-3000:]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn")
+@pytest.mark.parametrize("algorithm", ["prague", "adpsgd"])
+def test_exception_in_training_is_printed_first(algorithm: str) -> None:
+    """``mpidl train``: rank 0 raises in its fifth step. Its traceback is the first thing the
+    job reports, at once, and the job ends with the exception's exit code (closing the
+    algorithm first waited for the others, or failed with an error of its own)."""
+    options = ["--algorithm", algorithm, "--backend", "numpy", "--hidden", "16", "--no-progress"]
+    proc, after = run(2, "train", *options, env={"FAILURE_RAISE_STEP": "5"}, timeout=60)
+    err = proc.stderr
+    assert proc.returncode == EXCEPTION_EXIT_CODE, err[-3000:]
+    assert after < SLACK, after
+    assert err.startswith("mpidl: rank 0 failed; aborting the job:", err.find("mpidl: ")), err[-3000:]
+    assert "RuntimeError: injected failure on rank 0" in err, err[-3000:]
+
+
 @pytest.mark.parametrize("mode", ["kill", "exit"])
 def test_dead_rank_ends_the_job(mode: str) -> None:
     # No stall limit: the launcher itself must notice the dead rank and end the others.

@@ -15,7 +15,8 @@ Modes:
   train    ``mpidl train ARGS``, where rank 1 kills itself (SIGKILL) when the checkpoint
            after step $FAILURE_KILL_STEP is due, before writing it; with
            $FAILURE_SAVE_RESTORED=DIR, a resumed run first checkpoints the state it
-           restored into DIR (to be compared with the checkpoint it resumed from).
+           restored into DIR (to be compared with the checkpoint it resumed from); with
+           $FAILURE_RAISE_STEP=K, rank 0 raises in its training step after K steps.
 
 Just before it fails, the failing rank prints ``failure.py: rank R MODE at T``
 (T: time.time()) on stderr, so that a test can measure how long the job took
@@ -49,7 +50,17 @@ if mode == "train":
     from mpidl import checkpoint, cli, train
 
     kill_step = int(os.environ.get("FAILURE_KILL_STEP", -1))
+    raise_step = int(os.environ.get("FAILURE_RAISE_STEP", -1))
     save = checkpoint.save
+    train_step = train._Run._train_step
+
+    def train_step_or_raise(run: train._Run, batch: object) -> object:
+        if run.step == raise_step and rank == 0:
+            announce()
+            raise RuntimeError("injected failure on rank 0")
+        return train_step(run, batch)
+
+    train._Run._train_step = train_step_or_raise
 
     def save_or_die(directory: str, step: int, *args: object) -> None:
         if step == kill_step and rank == 1:
