@@ -151,6 +151,17 @@ def test_exception_in_training_is_printed_first(algorithm: str) -> None:
     assert "RuntimeError: injected failure on rank 0" in err, err[-3000:]
 
 
+@pytest.mark.parametrize("algorithm", ["prague", "adpsgd"])
+def test_exception_inside_an_algorithms_with_block_is_printed_first(algorithm: str) -> None:
+    """The algorithm's ``__exit__`` does not close it (collectively) after rank 1 raised."""
+    proc, after = run(2, "raise-with", algorithm, timeout=60)
+    err = proc.stderr
+    assert proc.returncode == EXCEPTION_EXIT_CODE, err[-3000:]
+    assert after < SLACK, after
+    assert err.startswith("mpidl: rank 1 failed; aborting the job:", err.find("mpidl: ")), err[-3000:]
+    assert "RuntimeError: injected failure on rank 1" in err, err[-3000:]
+
+
 @pytest.mark.parametrize("mode", ["kill", "exit"])
 def test_dead_rank_ends_the_job(mode: str) -> None:
     # No stall limit: the launcher itself must notice the dead rank and end the others.

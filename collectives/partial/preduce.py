@@ -148,7 +148,9 @@ class PReduce:
 
     Construction is collective over ``comm`` (every rank passes a buffer of
     the same length and dtype and the same options); so is :meth:`close`.
-    Usable as a context manager that closes on exit.
+    Usable as a context manager that closes on exit (not when an exception
+    leaves the block: it may be this rank's alone, and closing would wait for
+    the other ranks before it is printed).
 
     Args:
         buf: the buffer to average (any buffer :func:`~collectives.as_flat`
@@ -347,8 +349,9 @@ class PReduce:
     def __enter__(self) -> PReduce:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
+        if kind is None:  # an exception may be this rank's alone: the collective close() would wait for the others
+            self.close()
 
     def _serve(self, call: str = "average") -> bool | None:
         """Run the next group GG notified: True if it served this rank's request,

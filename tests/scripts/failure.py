@@ -4,6 +4,8 @@ Modes:
   stall    rank 1 stops calling collectives (sleeps); the others block in an all-reduce.
   preduce  rank 2 stops calling PReduce.average(); groups that draft it block.
   raise    rank 1 raises in the middle of the run.
+  raise-with ALGORITHM  rank 1 raises in the middle of a loop inside
+           ``with algorithms.create(ALGORITHM, ...) as algo:``.
   kill     rank 1 is killed (SIGKILL) in the middle of the run.
   exit     rank 1 leaves in the middle of the run with os._exit(1) (no MPI_Finalize, no cleanup).
   late OP  rank 1 comes 3 s late into OP, where the others wait for it: ``settle`` or
@@ -148,6 +150,16 @@ if mode == "thread":
             while time.time() < end:
                 algo.step(np.zeros_like(x))
     sys.exit(0)
+
+if mode == "raise-with":
+    import algorithms
+
+    with algorithms.create(sys.argv[2], x, algorithms.SGD(x, lr=0.0), comm) as algo:
+        for step in range(100000):
+            if step == 5 and rank == 1:
+                announce()
+                raise RuntimeError("injected failure on rank 1")
+            algo.step(np.zeros_like(x))
 
 if mode == "preduce":
     with collectives.PReduce(x, comm, group_size=2, policy="random", seed=1) as pr:
