@@ -65,16 +65,16 @@ state beyond its model and optimizer is its random generator and counters
 (:meth:`ADPSGD.state_dict`): a resumed worker draws the neighbors it would
 have drawn, though the interleaving of the workers' steps is the new run's.
 
-Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default). The service threads make the
-model's CUDA device current when they start (:func:`collectives.transport.gpu.use_device`).
+Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default; refused below it). The
+service threads make the model's CUDA device current when they start
+(:func:`collectives.transport.gpu.use_device`); an exception in one ends the
+job (:mod:`collectives.transport.threads`).
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Hashable
 from typing import Any
 from zlib import crc32
@@ -83,7 +83,7 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives import ArgumentError, reduction
-from collectives.transport import gpu, p2p
+from collectives.transport import gpu, p2p, threads
 from collectives.transport.buffers import array_module
 from collectives.transport.scratch import scratch
 
@@ -150,10 +150,7 @@ class ADPSGD(Algorithm):
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ArgumentError(f"seed must be an integer >= 0, got {self.seed!r}")
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise ArgumentError(
-                "AD-PSGD averages on service threads: MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
-            )
+        threads.require_multiple("AD-PSGD averages on service threads")
         self.topology, self.active, self.peers = topo, sides[self.rank] == 0, topo.neighbors(self.rank)
         return (topo.name, crc32(topo.W.tobytes()), self.seed)
 
@@ -273,17 +270,7 @@ class _Server:
         self._served = self._sent = 0  # since the last take_counts()
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"adpsgd-server-rank{algo.rank}", daemon=True)
-        p2p.prompt_threads()
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._serve()
-        except BaseException:  # the active neighbors would wait for this server forever: fail loudly
-            traceback.print_exc()
-            sys.stderr.flush()
-            self.algo._comm.Abort(1)
+        self._thread = threads.start(self._serve, f"adpsgd-server-rank{algo.rank}")
 
     def _serve(self) -> None:
         algo = self.algo

@@ -114,7 +114,7 @@ from collectives import ArgumentError, as_flat, reduction
 from collectives.kernels.resident import SharedVectors
 from collectives.topology.layout import RanksPerNode, detected
 from collectives.topology.layout import layout as node_layout
-from collectives.transport import gpu
+from collectives.transport import gpu, threads
 from collectives.transport.context import context
 
 from .background import Background, spare_cores
@@ -248,12 +248,9 @@ class AllReduceSGD(Algorithm):
                 "overlap needs a torch model (its gradients report through autograd hooks); "
                 "a numpy model's gradient is all-reduced in step()"
             )
-        threads = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-        if self.overlap_arg and not threads:
-            raise ArgumentError(
-                "overlap all-reduces on a service thread: MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
-            )
-        self._may_overlap = hooked and threads and type(self.flat.grad_data) is np.ndarray
+        if self.overlap_arg:
+            threads.require_multiple("overlap all-reduces on a service thread")
+        self._may_overlap = hooked and threads.multiple() and type(self.flat.grad_data) is np.ndarray
         cap = max(1, int(mb * 2**20) // self.flat.grad_data.itemsize)
         self.buckets = plan(self.flat.sizes, self.flat.trainable, cap)
         bounds = np.array([(b.start, b.stop) for b in self.buckets], np.int64)

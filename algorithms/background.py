@@ -4,13 +4,16 @@ Algorithms that overlap communication with computation (LSGD's inter-group
 all-reduce, AD-PSGD's averagings) hand a task to a :class:`Background`
 and collect its result on a later step. Tasks run one at a time, in the order
 submitted, on one thread, so a task may own a communicator that no other
-thread uses (MPI must provide ``MPI_THREAD_MULTIPLE``, mpi4py's default).
+thread uses (MPI must provide ``MPI_THREAD_MULTIPLE``, mpi4py's default:
+the algorithms check it first, :func:`collectives.transport.threads.require_multiple`).
 Each result carries the payload bytes the task sent
 (:func:`collectives.transport.p2p.bytes_sent` counts per thread). A thread
 whose tasks touch device buffers makes their device current when it starts
 (``device``; :func:`collectives.transport.gpu.use_device`). The thread's
 waits poll (:func:`collectives.transport.p2p.poll_waits`): a blocking MPI
-wait busy-waits on a core the computation needs.
+wait busy-waits on a core the computation needs. A task's exception is
+raised by :meth:`Background.result`, or by :meth:`Background.close` where
+it drops the task's result: it never goes unseen.
 """
 
 from __future__ import annotations
@@ -18,15 +21,15 @@ from __future__ import annotations
 import os
 import queue
 import sys
-import threading
 from typing import Any, Callable
 
 from mpi4py import MPI
 
 from collectives.topology.layout import detected
+from collectives.transport import threads
 from collectives.transport.context import context
 from collectives.transport.gpu import use_device
-from collectives.transport.p2p import bytes_sent, poll_waits, prompt_threads
+from collectives.transport.p2p import bytes_sent, poll_waits
 
 _STOP = object()
 
@@ -39,10 +42,8 @@ class Background:
     def __init__(self, name: str, device: int | None = None) -> None:
         self._tasks: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, args=(device,), name=name, daemon=True)
-        prompt_threads()
-        self._thread.start()
         self.pending = 0
+        self._thread = threads.start(self._run, name, device)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Queue ``fn(*args, **kwargs)``; its arguments must not be touched until its result is taken."""
@@ -63,9 +64,15 @@ class Background:
         return value, nbytes
 
     def close(self) -> None:
-        """Finish the queued tasks and stop the thread (their results are dropped)."""
+        """Finish the queued tasks and stop the thread; their results are dropped,
+        but the first exception among them is raised (no one else would see it)."""
         self._tasks.put(_STOP)
         self._thread.join()
+        self.pending = 0
+        dropped = [self._results.get_nowait() for _ in range(self._results.qsize())]
+        failure = next((error for _, _, error in dropped if error is not None), None)
+        if failure is not None:
+            raise failure
 
     def _run(self, device: int | None) -> None:
         failed: BaseException | None = None
@@ -98,6 +105,6 @@ def spare_cores(comm: MPI.Comm, wanted: bool = True) -> bool:
     node_of = detected(ctx).node_of
     ranks_here = node_of.count(node_of[ctx.rank])
     torch = sys.modules.get("torch")
-    threads = torch.get_num_threads() if torch is not None else 1
+    intra_op = torch.get_num_threads() if torch is not None else 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return bool(ctx.comm.allreduce(wanted and cores >= ranks_here * (threads + 1), op=MPI.LAND))
+    return bool(ctx.comm.allreduce(wanted and cores >= ranks_here * (intra_op + 1), op=MPI.LAND))

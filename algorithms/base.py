@@ -351,8 +351,12 @@ class Algorithm(ABC):
     def __enter__(self) -> Algorithm:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
+        """Close, unless an exception leaves the block: it may be this rank's alone, and
+        the collective close() would wait for the other ranks (or fail first) before
+        it is printed (``docs/failures.rst``)."""
+        if kind is None:
+            self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank {self.rank} of {self.size}, {self.flat.size} parameters)"

@@ -89,7 +89,7 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives import ArgumentError, Compressor, neighbor_allreduce, neighbor_exchange
-from collectives.transport import gpu
+from collectives.transport import gpu, threads
 from collectives.transport.context import context
 
 from .background import Background, spare_cores
@@ -172,12 +172,9 @@ class DPSGD(Algorithm):
         hooked = isinstance(self.flat, TorchFlatParams)
         if self.overlap_arg and not hooked:
             raise ArgumentError("overlap needs a torch model (its forward pass starts the averaging)")
-        threads = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-        if self.overlap_arg and not threads:
-            raise ArgumentError(
-                "overlap averages on a service thread: MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
-            )
-        self._may_overlap = hooked and threads and type(self.flat.param_data) is np.ndarray
+        if self.overlap_arg:
+            threads.require_multiple("overlap averages on a service thread")
+        self._may_overlap = hooked and threads.multiple() and type(self.flat.param_data) is np.ndarray
         self._configure_choco()
         return (
             topo.name,

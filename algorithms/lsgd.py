@@ -96,7 +96,7 @@ from collectives.kernels.reduce_broadcast import broadcast, reduce
 from collectives.topology.hierarchy import node_comms
 from collectives.topology.layout import RanksPerNode
 from collectives.topology.layout import layout as node_layout
-from collectives.transport import gpu
+from collectives.transport import gpu, threads
 from collectives.transport.buffers import array_module
 from collectives.transport.context import context
 
@@ -159,11 +159,7 @@ class LSGD(Algorithm):
                 f"unknown all-reduce algorithm {self.algorithm!r}; "
                 f"valid algorithms: {', '.join(collectives.ALGORITHMS)}"
             )
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise ArgumentError(
-                "LSGD runs the inter-group all-reduce on a service thread: "
-                "MPI must provide MPI_THREAD_MULTIPLE (mpi4py's default)"
-            )
+        threads.require_multiple("LSGD runs the inter-group all-reduce on a service thread")
         if self.layout is not None:
             node_layout(self.comm, self.layout)  # parses the override: local
         self._compression = resolve(self.compression_arg, self.error_feedback_arg, self.flat.layout())

@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from collectives.transport import p2p
+
 #: Checkpoints kept in a folder: the newest and the one before it.
 KEEP = 2
 _LATEST = "latest"
@@ -93,7 +95,9 @@ def save(directory: str, step: int, comm: MPI.Comm, arrays: dict[str, np.ndarray
     os.makedirs(folder, exist_ok=True)
     blob = {**arrays, _INFO: np.array(json.dumps(info))}
     _replace_atomically(os.path.join(folder, f"rank-{comm.Get_rank()}.npz"), lambda f: np.savez(f, **blob))  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
-    comm.Barrier()
+    p2p.operation(f"checkpoint.save(step {step})")
+    with p2p.waiting(comm):
+        comm.Barrier()
     if comm.Get_rank() == 0:
         _remove_temporaries(folder)
         _remove_temporaries(directory)
@@ -104,7 +108,8 @@ def save(directory: str, step: int, comm: MPI.Comm, arrays: dict[str, np.ndarray
         older = [name for s, name in done if s <= step]
         for old in [name for s, name in done if s > step] + older[:-KEEP]:
             shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
-    comm.Barrier()
+    with p2p.waiting(comm):
+        comm.Barrier()
 
 
 def latest(directory: str) -> str | None:

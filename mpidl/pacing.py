@@ -19,7 +19,8 @@ together were seen with 4 ranks on 2 cores); the overshoot counts towards
 the next epoch (epoch e ends when the
 total reaches e x n x S). The thread polls for
 messages with short sleeps (:class:`collectives.transport.p2p.Backoff`), leaving the
-cores to the workers.
+cores to the workers. It needs ``MPI_THREAD_MULTIPLE`` (refused below it), and an
+exception in it ends the job (:mod:`collectives.transport.threads`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from collectives.transport.p2p import Backoff, prompt_threads
+from collectives.transport import p2p, threads
 
 _STEP, _CLOSE = 1, 2
 _TO_COUNTER, _EPOCH_OVER = 0x7301, 0x7302
@@ -41,11 +42,15 @@ class StepBudget:
     Construction and :meth:`close` are collective. Each worker calls
     :meth:`begin_epoch`, then :meth:`step` after each of its steps until
     :meth:`over` says the epoch's budget is spent.
+
+    Raises:
+        collectives.ArgumentError: MPI does not provide ``MPI_THREAD_MULTIPLE``.
     """
 
     def __init__(self, comm: MPI.Comm, per_epoch: int) -> None:
         if per_epoch < 1:
             raise ValueError(f"an epoch needs at least one step, got {per_epoch}")
+        threads.require_multiple("the step budget counts the workers' steps on a service thread")
         self.per_epoch = per_epoch
         self._comm = comm.Dup()
         self._msg = np.array([_STEP, 0], np.int64)
@@ -53,9 +58,7 @@ class StepBudget:
         self._over: MPI.Request | None = None
         self._thread: threading.Thread | None = None
         if self._comm.Get_rank() == 0:
-            self._thread = threading.Thread(target=self._count, name="mpidl-step-budget", daemon=True)
-            prompt_threads()
-            self._thread.start()
+            self._thread = threads.start(self._count, "mpidl-step-budget")
 
     def begin_epoch(self) -> None:
         """Start listening for the end of the next epoch."""
@@ -75,14 +78,16 @@ class StepBudget:
         """Stop counting (collective; after the last epoch is over on every worker)."""
         self._msg[0] = _CLOSE
         self._comm.Send(self._msg, 0, _TO_COUNTER)
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None:  # it ends once every worker has closed
+            p2p.operation("StepBudget.close() (waiting for every worker's close())")
+            with p2p.waiting(self._comm):
+                self._thread.join()
         self._comm.Free()
 
     def _count(self) -> None:
         """Rank 0's thread: add up the steps, announce each epoch's end, stop when all closed."""
         comm, n = self._comm, self._comm.Get_size()
-        msg, status, backoff = np.zeros(2, np.int64), MPI.Status(), Backoff()
+        msg, status, backoff = np.zeros(2, np.int64), MPI.Status(), p2p.Backoff()
         total, epoch, closed = 0, 1, 0
         sends: list[tuple[MPI.Request, np.ndarray]] = []
         while closed < n:

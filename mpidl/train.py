@@ -44,6 +44,11 @@ worker of a synchronous run).
 Threads: each worker uses ``--threads`` threads for torch and for numpy's
 BLAS (default: the machine's cores divided by the ranks on it, at least 1),
 so that ranks sharing a machine do not oversubscribe it.
+
+Failures: an exception on one rank (other than the errors every rank raises
+alike, :data:`AGREED_ERRORS`) leaves :func:`train` at once, without closing
+the algorithm (a collective the other ranks are not in): ``mpidl.init()``'s
+hook prints it first and ends the job (``docs/failures.rst``).
 """
 
 from __future__ import annotations
@@ -73,6 +78,10 @@ T = TypeVar("T")
 
 class UsageError(ValueError):
     """A bad ``mpidl train`` option or set-up (raised on every rank alike)."""
+
+
+#: The errors :func:`train` raises on every rank alike (the others are one rank's failure).
+AGREED_ERRORS = (UsageError, data.DatasetError, collectives.ArgumentError)
 
 
 def _parser(kind: Callable[[str], T], accept: Callable[[T], bool], wanted: str) -> Callable[[str], T]:
@@ -494,7 +503,9 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
 
     Raises:
         UsageError, data.DatasetError, collectives.ArgumentError: bad
-            options or set-up, on every rank alike.
+            options or set-up, on every rank alike (:data:`AGREED_ERRORS`);
+            any other exception is this rank's alone, and leaves without
+            closing the algorithm (module docstring).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     bad = sorted(r for r in config.slow if r >= comm.Get_size())
@@ -528,10 +539,13 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
             print(_header(run.meta), flush=True)
         run.epochs()
         params = net.to_numpy(algo.params)
-    finally:
-        algo.close()
-        if budget is not None:
-            budget.close()
+    except AGREED_ERRORS:  # every rank is here: they close together
+        _close(algo, budget)
+        raise
+    # Any other exception is this rank's alone and leaves at once, unclosed: closing is
+    # collective, and would wait for the other ranks (or fail first with an error of its
+    # own) before the exception is printed; mpidl.init()'s hook prints it and ends the job.
+    _close(algo, budget)
     if comm.Get_rank() == 0 and run.records:
         last = run.records[-1]
         print(
@@ -543,6 +557,13 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
             flush=True,
         )
     return TrainResult(run.meta, run.records, params)
+
+
+def _close(algo: algorithms.Algorithm, budget: pacing.StepBudget | None) -> None:
+    """Close the algorithm and the step budget (collective)."""
+    algo.close()
+    if budget is not None:
+        budget.close()
 
 
 class _Run:
@@ -853,7 +874,7 @@ def main(args: argparse.Namespace) -> int:
         if args.plot:
             _agreed(comm, plotting.require)
         result = train(config, comm)
-    except (UsageError, data.DatasetError, collectives.ArgumentError) as exc:  # raised on every rank alike
+    except AGREED_ERRORS as exc:
         if comm.Get_rank() == 0:
             print(f"mpidl train: error: {exc}", file=sys.stderr)
         return 2
@@ -866,6 +887,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 __all__ = [
+    "AGREED_ERRORS",
     "ALGORITHM_OPTIONS",
     "AlgorithmOption",
     "TrainConfig",

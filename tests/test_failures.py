@@ -36,13 +36,13 @@ REPORT = re.compile(
 
 
 def run(
-    ranks: int, mode: str, *args: str, env: dict[str, str] | None = None
+    ranks: int, mode: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> tuple[subprocess.CompletedProcess, float]:
     """``tests/scripts/failure.py MODE ARGS`` on ``ranks`` ranks: the finished process, and the
     seconds from the injected failure (as the script announces it) to the end of the job."""
 
     def go():
-        proc = mpiexec(ranks, ["tests/scripts/failure.py", mode, *args], timeout=120, env=env)
+        proc = mpiexec(ranks, ["tests/scripts/failure.py", mode, *args], timeout=timeout, env=env)
         ended = time.time()
         failed = re.search(rf"^failure.py: rank \d+ {mode} at ([\d.]+)$", proc.stderr, re.M)
         assert failed, f"no failure was injected (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
@@ -92,6 +92,74 @@ def test_exception_on_one_rank_ends_the_job() -> None:
     assert after < SLACK, after
     assert "mpidl: rank 1 failed; aborting the job" in proc.stderr, proc.stderr[-3000:]
     assert "RuntimeError: injected failure on rank 1" in proc.stderr, proc.stderr[-3000:]
+
+
+#: A stall report without an abort limit: rank, operation, peers (not anchored to lines, as REPORT).
+LATE = re.compile(r"mpidl: rank (\d+) \(MainThread\) has waited \d+ s in (.+?) for rank\(s\) ([\d, ]+) of MPI_COMM")
+
+
+@pytest.mark.parametrize(
+    "operation, reported",
+    [
+        ("settle", "P-Reduce settle() (waiting for every worker's settle() at the group generator on rank 0)"),
+        ("close", "P-Reduce close() (waiting for every worker's close() at the group generator on rank 0)"),
+        ("neighbor", "neighbor_allreduce"),
+        ("checkpoint", "checkpoint.save(step 2)"),
+    ],
+)
+def test_a_rank_late_into_an_operation_is_reported(operation: str, reported: str) -> None:
+    """Rank 1 of 3 comes 3 s late (warning limit 1 s, no abort): the ranks waiting for it
+    report the operation and whom they wait for; in P-Reduce every worker waits for the
+    group generator (rank 0), which says that it waits for worker 1."""
+    proc, _ = run(3, "late", operation, env={"MPIDL_STALL_WARN": "1"}, timeout=60)
+    err = proc.stderr
+    assert proc.returncode == 0, err[-3000:]
+    reports = {(int(rank), peers) for rank, what, peers in LATE.findall(err) if what == reported}
+    if operation in ("settle", "close"):
+        assert reports == {(0, "0"), (2, "0")}, err[-3000:]
+        assert re.search(
+            r"mpidl: group generator: workers \{w0,w2\} called settle\(\) or close\(\); waiting \d+ s for \{w1\}", err
+        ), err[-3000:]
+    else:
+        assert reports == {(0, "1, 2"), (2, "0, 1")}, err[-3000:]
+
+
+@pytest.mark.parametrize("kind, rank", [("budget", 0), ("group-generator", 0), ("server", 1)])
+def test_exception_in_a_service_thread_ends_the_job(kind: str, rank: int) -> None:
+    """The thread's traceback, naming the rank and the thread, and the exception's exit
+    code, at once: no rank waits for the thread that died."""
+    proc, after = run(2, "thread", kind, timeout=60)
+    err = proc.stderr
+    assert proc.returncode == EXCEPTION_EXIT_CODE, err[-3000:]
+    assert after < SLACK, after
+    assert re.search(rf"mpidl: rank {rank} \(thread [\w-]+\) failed; aborting the job:", err), err[-3000:]
+    assert f"RuntimeError: injected failure in the {kind} thread" in err, err[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn")
+@pytest.mark.parametrize("algorithm", ["prague", "adpsgd"])
+def test_exception_in_training_is_printed_first(algorithm: str) -> None:
+    """``mpidl train``: rank 0 raises in its fifth step. Its traceback is the first thing the
+    job reports, at once, and the job ends with the exception's exit code (closing the
+    algorithm first waited for the others, or failed with an error of its own)."""
+    options = ["--algorithm", algorithm, "--backend", "numpy", "--hidden", "16", "--no-progress"]
+    proc, after = run(2, "train", *options, env={"FAILURE_RAISE_STEP": "5"}, timeout=60)
+    err = proc.stderr
+    assert proc.returncode == EXCEPTION_EXIT_CODE, err[-3000:]
+    assert after < SLACK, after
+    assert err.startswith("mpidl: rank 0 failed; aborting the job:", err.find("mpidl: ")), err[-3000:]
+    assert "RuntimeError: injected failure on rank 0" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("algorithm", ["prague", "adpsgd"])
+def test_exception_inside_an_algorithms_with_block_is_printed_first(algorithm: str) -> None:
+    """The algorithm's ``__exit__`` does not close it (collectively) after rank 1 raised."""
+    proc, after = run(2, "raise-with", algorithm, timeout=60)
+    err = proc.stderr
+    assert proc.returncode == EXCEPTION_EXIT_CODE, err[-3000:]
+    assert after < SLACK, after
+    assert err.startswith("mpidl: rank 1 failed; aborting the job:", err.find("mpidl: ")), err[-3000:]
+    assert "RuntimeError: injected failure on rank 1" in err, err[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["kill", "exit"])

@@ -225,6 +225,56 @@ def test_protocol_misuse_is_rejected() -> None:
         gg.close(0)
 
 
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_stalled_reports_each_wait_once_under_its_own_key() -> None:
+    """The stall inspector reports a key once: a worker's second wait, for a request or
+    for the others to close, has a key of its own, so it is reported too."""
+    clock = Clock()
+    gg = GroupGenerator(3, 2, draw=scripted((0, 1), (1, 2), (0, 1), (1, 2)), clock=clock)
+    (g,) = gg.request(0)
+    assert gg.request(2) == []  # {w1,w2} waits for w1, held by g
+    clock.now += 5
+    ((first, age, message),) = gg.stalled()
+    assert age == 5 and "request of worker 2 is queued" in message and "w1 held by g1 {w0,w1}" in message
+    (g2,) = release(gg, g.gid, (0, 1))
+    release(gg, g2.gid, (1, 2))
+    assert gg.stalled() == []
+    (g3,) = gg.request(0)
+    assert gg.request(2) == []  # w2's next request waits again
+    ((second, _, _),) = [r for r in gg.stalled() if "worker 2" in r[2]]
+    assert second != first
+    release(gg, g3.gid, (0, 1))
+
+
+def test_stalled_names_the_workers_a_pause_waits_for() -> None:
+    clock = Clock()
+    gg = GroupGenerator(3, 2, draw=scripted(), clock=clock)
+    gg.close(0)
+    clock.now += 1
+    gg.close(2)
+    clock.now += 2
+    ((key, age, message),) = gg.stalled()
+    assert age == 3
+    assert message == "mpidl: group generator: workers {w0,w2} called settle() or close(); waiting 3 s for {w1}"
+    gg.close(1)
+    assert gg.finished and gg.stalled() == []
+    gg.reopen()
+    gg.close(1)
+    clock.now += 1
+    ((again, age, message),) = gg.stalled()  # the next pause: a new key
+    assert again != key and age == 1
+    assert message.endswith("workers {w1} called settle() or close(); waiting 1 s for {w0,w2}")
+
+
 def simulate(n: int, k: int, policy: str, iterations: int, seed: int) -> None:
     """Run the worker protocol of collectives.partial.preduce against the GG, one random action at a time.
 

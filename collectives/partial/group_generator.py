@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -172,6 +172,7 @@ class GroupGenerator:
         self._active: dict[int, Group] = {}
         self._waiting: dict[int, float] = {}  # outstanding requests, arrival order
         self._closed: set[int] = set()
+        self._closing_since: float | None = None  # when the first worker closed (since the last reopen)
         self._next_gid = 1
 
     # -- state -------------------------------------------------------------
@@ -262,6 +263,8 @@ class GroupGenerator:
                 f"{'has an outstanding request' if worker in self._waiting else 'already closed'}"
             )
         self._closed.add(worker)
+        if self._closing_since is None:
+            self._closing_since = self._clock()
         self._log(f"close w{worker} ({len(self._closed)}/{self.n} closed)")
         return self._schedule()
 
@@ -271,17 +274,29 @@ class GroupGenerator:
         if not self.finished:
             raise ArgumentError("reopen() needs every worker closed and no group active")
         self._closed.clear()
+        self._closing_since = None
         self._log("reopen: every worker paused and no group is active; requests are accepted again")
 
-    def stalled(self) -> list[tuple[tuple[str, int], float, str]]:
+    def stalled(self) -> list[tuple[Hashable, float, str]]:
         """Every outstanding request as (key, seconds waited, description naming
-        the lock vector and the active groups holding the workers it waits for).
+        the lock vector and the active groups holding the workers it waits for),
+        and, once some worker has closed, the wait for the others to close.
 
-        Read by the stall inspector from another thread: it only reads, and
-        copies the containers first.
+        Read by the stall inspector from another thread: it only reads, each
+        field once, and copies the containers first.
         """
         now = self._clock()
-        out = []
+        out: list[tuple[Hashable, float, str]] = []
+        closing, closed = self._closing_since, sorted(self._closed)
+        if closing is not None and 0 < len(closed) < self.n:
+            out.append(
+                (
+                    ("gg-close", closing),
+                    now - closing,
+                    f"mpidl: group generator: workers {workers(closed)} called settle() or close(); "
+                    f"waiting {now - closing:.0f} s for {workers(w for w in range(self.n) if w not in closed)}",
+                )
+            )
         for worker, since in list(self._waiting.items()):
             group = next((g for g in list(self._queue) if worker in g.members), None)
             if group is None:  # smart: waits for enough idle workers
@@ -300,7 +315,7 @@ class GroupGenerator:
             )
             out.append(
                 (
-                    ("gg-request", worker),
+                    ("gg-request", worker, since),
                     now - since,
                     f"mpidl: group generator: the request of worker {worker} {what} for {now - since:.0f} s; "
                     f"locks {self._vector()}" + (f"; {held}" if held else ""),

@@ -213,7 +213,8 @@ def _check(ctx: Context, weights: NeighborWeights, flat: FlatBuffer | None, prob
     sends[:] = 0
     if problem is None:
         sends[list(weights.destinations)] = 1
-    ctx.comm.Alltoall(sends, senders)  # senders[j] = 1 iff j sends to this rank
+    with p2p.waiting(ctx.comm):
+        ctx.comm.Alltoall(sends, senders)  # senders[j] = 1 iff j sends to this rank
     if problem is None:
         expected = {j for j, _ in weights.sources}
         actual = set(np.flatnonzero(senders).tolist())

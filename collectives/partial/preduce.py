@@ -38,7 +38,9 @@ growing sleeps (:class:`~collectives.transport.p2p.Backoff`) rather than block: 
 blocking MPI receive busy-waits, and would take a core from the workers
 computing next to it. It handles host control messages only (buffers are
 averaged on the workers' own threads), so it needs no CUDA device. Needs
-``MPI_THREAD_MULTIPLE`` (mpi4py's default). ``close()`` is collective: each
+``MPI_THREAD_MULTIPLE`` (mpi4py's default; refused below it, on every rank,
+at construction); an exception in it ends the job
+(:func:`collectives.transport.threads.start`). ``close()`` is collective: each
 worker sends CLOSE and keeps serving drafts until GG, once all workers have
 closed and no group is active, sends SHUTDOWN; then the thread ends and the
 communicators are freed.
@@ -79,7 +81,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, TextIO, Union
 
@@ -90,7 +91,7 @@ from .. import validation
 from ..errors import ArgumentError, CollectiveError
 from ..kernels import butterfly, halving_doubling, reduce_broadcast, ring
 from ..kernels.plans import Kernel
-from ..transport import gpu, p2p, watchdog
+from ..transport import gpu, p2p, threads, watchdog
 from ..transport.buffers import array_module, as_flat
 from ..transport.context import context
 from ..transport.ops import reduction
@@ -147,7 +148,9 @@ class PReduce:
 
     Construction is collective over ``comm`` (every rank passes a buffer of
     the same length and dtype and the same options); so is :meth:`close`.
-    Usable as a context manager that closes on exit.
+    Usable as a context manager that closes on exit (not when an exception
+    leaves the block: it may be this rank's alone, and closing would wait for
+    the other ranks before it is printed).
 
     Args:
         buf: the buffer to average (any buffer :func:`~collectives.as_flat`
@@ -253,9 +256,7 @@ class PReduce:
                 )
                 self._service = _Service(self._ctl, gg, self._trace)
                 self._trace = None  # the service owns it now
-                self._thread = threading.Thread(target=self._service.run, name="mpidl-group-generator", daemon=True)
-                p2p.prompt_threads()
-                self._thread.start()
+                self._thread = threads.start(self._service.run, "mpidl-group-generator")
                 self._stalled = gg.stalled
                 watchdog.add_reporter(self._stalled)
 
@@ -301,7 +302,7 @@ class PReduce:
             raise CollectiveError("PReduce.settle() after close()")
         if self.policy != "static":
             self._tell(PAUSE)
-            while self._serve(watched=False) is not None:  # others may still be training: not a stall
+            while self._serve("settle") is not None:
                 pass
 
     def state_dict(self) -> dict[str, Any]:
@@ -334,13 +335,13 @@ class PReduce:
             return
         self._closed = True
         if self.policy != "static":
-            if self._stalled is not None:
-                watchdog.remove_reporter(self._stalled)
             self._tell(CLOSE)
-            while self._serve(watched=False) is not None:  # others may train on for long: not a stall
+            while self._serve("close") is not None:
                 pass
             if self._thread is not None:
                 self._thread.join()
+            if self._stalled is not None:  # its stalls are over only now
+                watchdog.remove_reporter(self._stalled)
             self._ctl.Free()
         elif self._trace is not None:
             self._trace.close()
@@ -349,18 +350,21 @@ class PReduce:
     def __enter__(self) -> PReduce:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
+        if kind is None:  # an exception may be this rank's alone: the collective close() would wait for the others
+            self.close()
 
-    def _serve(self, watched: bool = True) -> bool | None:
+    def _serve(self, call: str = "average") -> bool | None:
         """Run the next group GG notified: True if it served this rank's request,
-        None on SHUTDOWN or QUIET.
-
-        ``watched``: the wait is a stall if it lasts (not while pausing or closing).
-        """
+        None on SHUTDOWN or QUIET. ``call``: the method waiting (for the stall inspector)."""
         t = time.perf_counter()
-        p2p.operation(f"P-Reduce (waiting for a group from the group generator on rank {self._service_rank})")
-        blocked = p2p.watch(self._ctl, (self._service_rank,)) if watched else _UNWATCHED
+        p2p.operation(
+            f"P-Reduce (waiting for a group from the group generator on rank {self._service_rank})"
+            if call == "average"
+            else f"P-Reduce {call}() (waiting for every worker's {call}() at the group generator "
+            f"on rank {self._service_rank})"
+        )
+        blocked = p2p.watch(self._ctl, (self._service_rank,))
         try:
             backoff = p2p.Backoff()
             while not self._ctl.Iprobe(self._service_rank, TO_WORKER):
@@ -407,7 +411,8 @@ class PReduce:
 def check_options(
     size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int, service_rank: int
 ) -> Kernel:
-    """Raise ArgumentError for a bad option; return the kernel of ``algorithm``."""
+    """Raise ArgumentError for a bad option, or for a policy whose group generator
+    needs a thread level MPI does not provide; return the kernel of ``algorithm``."""
     kernel = GROUP_KERNELS.get(algorithm)
     if kernel is None:
         raise ArgumentError(f"unknown algorithm {algorithm!r}; valid for groups: {', '.join(GROUP_KERNELS)}")
@@ -418,6 +423,8 @@ def check_options(
             raise ArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
     if isinstance(service_rank, bool) or not isinstance(service_rank, int) or not 0 <= service_rank < size:
         raise ArgumentError(f"service_rank must be a rank in 0..{size - 1}, got {service_rank!r}")
+    if policy != "static":
+        threads.require_multiple(f"P-Reduce's group generator (policy {policy!r}) runs on a service thread")
     return kernel
 
 
@@ -437,9 +444,6 @@ def _open_trace(comm: MPI.Comm, spec: TraceSpec, service_rank: int) -> _Trace | 
     return trace
 
 
-_UNWATCHED = watchdog.Slot()
-
-
 class _Service:
     """The GG thread: receives workers' messages, feeds the state machine, notifies members."""
 
@@ -449,12 +453,9 @@ class _Service:
         self.paused = gg.state_dict()  # GG's state at the last pause (or the start)
 
     def run(self) -> None:
+        """The thread (an exception ends the job: it would hang every worker)."""
         try:
             self._loop()
-        except BaseException:  # a bug here would hang every worker: fail loudly instead
-            traceback.print_exc()
-            sys.stderr.flush()
-            self.ctl.Abort(1)
         finally:
             if self.trace is not None:
                 self.trace.close()

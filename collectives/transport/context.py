@@ -6,11 +6,11 @@ the user's point-to-point messages. The duplicate and everything derived from
 it (validation scratch, node layout, sub-communicators) live in a
 :class:`Context` attached to the caller's communicator as an MPI attribute;
 it is built on first use — collectively, so every rank must make that first
-call — and freed with the communicator, or at the latest when the
-interpreter exits, before mpi4py finalizes MPI: a shared-memory window still
-allocated at ``MPI_Finalize`` makes MPICH's ofi netmod fail to close its
-fabric ("fabricclose failed ... Device or resource busy", exit status 15)
-after the program's work is done.
+call (a wait the stall inspector sees) — and freed with the communicator,
+or at the latest when the interpreter exits, before mpi4py finalizes MPI:
+a shared-memory window still allocated at ``MPI_Finalize`` makes MPICH's ofi
+netmod fail to close its fabric ("fabricclose failed ... Device or resource
+busy", exit status 15) after the program's work is done.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import atexit
 from typing import Any
 
 from mpi4py import MPI
+
+from . import p2p
 
 
 class Context:
@@ -38,7 +40,9 @@ class Context:
     """
 
     def __init__(self, comm: MPI.Comm) -> None:
-        self.comm = comm.Dup()
+        p2p.operation("the set-up of the collectives on a communicator (MPI_Comm_dup at its first collective call)")
+        with p2p.waiting(comm):
+            self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.cache: dict[Any, Any] = {}

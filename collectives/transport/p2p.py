@@ -27,10 +27,12 @@ Such a thread also needs the GIL promptly when a message comes, while the
 main thread may be computing in Python: the interpreter hands the GIL over
 only every ``sys.getswitchinterval()`` seconds (5 ms by default), which
 would add up to that to every reply; :func:`prompt_threads` lowers the
-interval, and every service thread calls it when it starts.
+interval, and every service thread calls it when it starts
+(:func:`collectives.transport.threads.start` does).
 
 Every blocking call marks the thread as waiting on its peers for the stall
-inspector (:mod:`collectives.transport.watchdog`). Every payload byte sent
+inspector (:mod:`collectives.transport.watchdog`); so does :func:`waiting` around
+a wait of another kind (an MPI collective, the end of a thread). Every payload byte sent
 through this module is counted per thread (:func:`bytes_sent`), so training
 algorithms can report their traffic exactly, and per destination for the
 whole process (:func:`bytes_by_peer`, keyed by ``MPI_COMM_WORLD`` rank, for
@@ -50,7 +52,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import numpy as np
@@ -125,6 +128,21 @@ def watch(comm: MPI.Comm | None, peers: tuple[int, ...]) -> watchdog.Slot:
         s = _sent.slot = watchdog.slot()
     s.comm, s.peers, s.since = comm, peers, _clock()
     return s
+
+
+@contextmanager
+def waiting(comm: MPI.Comm, peers: tuple[int, ...] | None = None) -> Iterator[None]:
+    """Mark this thread blocked on ``peers`` of ``comm`` (default: every other rank)
+    for the stall inspector while the block runs: a wait that does not go through
+    this module (an MPI collective, a thread's end)."""
+    if peers is None:
+        rank = comm.Get_rank()
+        peers = tuple(r for r in range(comm.Get_size()) if r != rank)
+    s = watch(comm, peers)
+    try:
+        yield
+    finally:
+        s.since = 0.0
 
 
 def bytes_sent() -> int:

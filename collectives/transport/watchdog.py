@@ -9,7 +9,8 @@ second (or more often for short limits):
   warning on the ``collectives.watchdog`` logger and on stderr, naming the
   operation, this rank and the peers (as ranks of ``MPI.COMM_WORLD``);
   reporters add stalls they see themselves (the P-Reduce group generator:
-  queued groups, with the lock vector and the groups holding the locks);
+  queued groups, with the lock vector and the groups holding the locks, and
+  the workers that a ``settle()`` or ``close()`` waits for);
 * one blocked for longer than ``abort`` seconds ends the whole job:
   the message goes to stderr and ``MPI_Abort`` is called on
   ``MPI.COMM_WORLD`` with exit code 3, so the launcher (mpiexec, srun) stops
@@ -147,8 +148,17 @@ def _stalls() -> list[tuple[Hashable, float, str]]:
     now = time.perf_counter()
     with _lock:
         slots, reporters = list(_slots), list(_reporters)
-    found = [((id(s), s.since), now - s.since, s) for s in slots if s.since]
-    out: list[tuple[Hashable, float, str]] = [(key, age, describe(s, age)) for key, age, s in found]
+    out: list[tuple[Hashable, float, str]] = []
+    for s in slots:
+        # The slot's thread ends its wait (since = 0.0) or starts the next one at any
+        # moment: read ``since`` once, and keep the report only if the wait it
+        # describes is still the same one after its operation and peers were read.
+        since = s.since
+        if since:
+            age = now - since
+            message = describe(s, age)
+            if s.since == since:
+                out.append(((id(s), since), age, message))
     for fn in reporters:
         try:
             out.extend(fn())
