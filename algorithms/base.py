@@ -352,10 +352,11 @@ class Algorithm(ABC):
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
-        """Close, unless an exception leaves the block: it may be this rank's alone, and
-        the collective close() would wait for the other ranks (or fail first) before
-        it is printed (``docs/failures.rst``)."""
-        if kind is None:
+        """Close, unless an exception other than an ArgumentError leaves the block: it
+        may be this rank's alone, and the collective close() would wait for the other
+        ranks (or fail first) before it is printed (``docs/failures.rst``). mpidl raises
+        an ArgumentError on every rank alike, so the ranks close together."""
+        if kind is None or issubclass(kind, ArgumentError):
             self.close()
 
     def __repr__(self) -> str:

@@ -12,6 +12,7 @@ from mpi4py import MPI
 from mpitest import all_ok, comm_of_size
 
 import algorithms
+import collectives
 from algorithms import SGD, topology
 from collectives import ArgumentError
 
@@ -389,6 +390,20 @@ def test_registry_and_factory() -> None:
     assert all(cls.name == name for name, cls in algorithms.ALGORITHMS.items())
     with pytest.raises(ValueError, match="unknown algorithm 'gossip'"):
         algorithms.create("gossip", np.zeros(2), SGD(np.zeros(2), lr=0.1))
+
+
+@pytest.mark.parametrize("name", ["allreduce", "adpsgd"])
+def test_an_argument_error_leaving_a_with_block_closes_the_algorithm(name: str) -> None:
+    """mpidl raises an ArgumentError on every rank alike, so the ranks close together
+    (another exception leaves the algorithm open: tests/test_failures.py)."""
+    comm = comm_of_size(4)
+    x = np.zeros(3)
+    with (
+        pytest.raises(ArgumentError, match="unknown algorithm 'nope'"),
+        algorithms.create(name, x, SGD(x, lr=0.1), comm) as algo,
+    ):
+        collectives.allreduce(np.zeros(2), comm, algorithm="nope")
+    assert all_ok(comm, algo.closed)
 
 
 #: One configuration of every algorithm, for the BatchNorm statistics test.

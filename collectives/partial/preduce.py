@@ -351,7 +351,9 @@ class PReduce:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
-        if kind is None:  # an exception may be this rank's alone: the collective close() would wait for the others
+        # Another exception may be this rank's alone: the collective close() would wait for the
+        # others. An ArgumentError is raised on every rank alike: they close together.
+        if kind is None or issubclass(kind, ArgumentError):
             self.close()
 
     def _serve(self, call: str = "average") -> bool | None:
