@@ -18,7 +18,10 @@ written (left by a run that was resumed from an earlier checkpoint), in
 the order of their step numbers. A job that dies at any point leaves
 ``latest`` naming a complete checkpoint (or no ``latest`` at all); a
 half-written step folder is ignored and overwritten by the next run. One
-job at a time writes a checkpoint folder.
+job at a time writes a checkpoint folder. The barriers carry each rank's
+outcome: a worker that cannot write its file (a full disk, a permission) makes
+:func:`save` raise :class:`CheckpointError` on every rank, naming it, with
+``latest`` still naming the checkpoint before.
 
 A file is a numpy ``.npz`` archive (no pickle: loading runs no code): the
 worker's arrays, plus one JSON document (key ``info``) for everything else.
@@ -90,15 +93,24 @@ def _remove_temporaries(folder: str) -> None:
 
 def save(directory: str, step: int, comm: MPI.Comm, arrays: dict[str, np.ndarray], info: dict[str, Any]) -> None:
     """Write this worker's ``arrays`` and JSON-able ``info`` as the checkpoint after ``step``
-    steps (collective over ``comm``; module docstring for the protocol)."""
+    steps (collective over ``comm``; module docstring for the protocol).
+
+    Raises:
+        CheckpointError: on every rank, where any rank could not write its file or rank 0
+            could not name the checkpoint in ``latest`` (naming the ranks and the
+            problems); ``latest`` then still names the previous checkpoint.
+    """
     folder = os.path.join(directory, step_name(step))
-    os.makedirs(folder, exist_ok=True)
-    blob = {**arrays, _INFO: np.array(json.dumps(info))}
-    _replace_atomically(os.path.join(folder, f"rank-{comm.Get_rank()}.npz"), lambda f: np.savez(f, **blob))  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
     p2p.operation(f"checkpoint.save(step {step})")
-    with p2p.waiting(comm):
-        comm.Barrier()
-    if comm.Get_rank() == 0:
+
+    def write() -> None:
+        os.makedirs(folder, exist_ok=True)
+        blob = {**arrays, _INFO: np.array(json.dumps(info))}
+        _replace_atomically(os.path.join(folder, f"rank-{comm.Get_rank()}.npz"), lambda f: np.savez(f, **blob))  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
+
+    def publish() -> None:
+        if comm.Get_rank() != 0:
+            return
         _remove_temporaries(folder)
         _remove_temporaries(directory)
         _replace_atomically(os.path.join(directory, _LATEST), lambda f: f.write(step_name(step).encode()))
@@ -108,8 +120,30 @@ def save(directory: str, step: int, comm: MPI.Comm, arrays: dict[str, np.ndarray
         older = [name for s, name in done if s <= step]
         for old in [name for s, name in done if s > step] + older[:-KEEP]:
             shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+
+    _together(
+        comm,
+        write,
+        f"the checkpoint after step {step} in {directory} was not written",
+        f" ('{_LATEST}' names the one before)",
+    )
+    _together(comm, publish, f"the checkpoint after step {step} in {directory} was written, but not made the latest")
+
+
+def _together(comm: MPI.Comm, part: Any, failed: str, after: str = "") -> None:
+    """Run ``part()``, then wait for every rank's (a barrier that carries the outcome):
+    a failure on any rank raises CheckpointError on every rank, saying ``failed``, the
+    ranks' problems, then ``after``."""
+    try:
+        part()
+        problem = None
+    except Exception as exc:  # a full disk, a permission, info that is not JSON: every rank must hear of it
+        problem = f"{type(exc).__name__}: {exc}"
     with p2p.waiting(comm):
-        comm.Barrier()
+        problems = comm.allgather(problem)
+    bad = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+    if bad:
+        raise CheckpointError(f"{failed}: {bad}{after}")
 
 
 def latest(directory: str) -> str | None:

@@ -81,7 +81,7 @@ class UsageError(ValueError):
 
 
 #: The errors :func:`train` raises on every rank alike (the others are one rank's failure).
-AGREED_ERRORS = (UsageError, data.DatasetError, collectives.ArgumentError)
+AGREED_ERRORS = (UsageError, data.DatasetError, checkpoint.CheckpointError, collectives.ArgumentError)
 
 
 def _parser(kind: Callable[[str], T], accept: Callable[[T], bool], wanted: str) -> Callable[[str], T]:

@@ -419,6 +419,33 @@ def test_a_checkpoint_is_durable_before_latest_names_it(tmp_path, monkeypatch: p
     ]
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_that_cannot_write_fails_the_checkpoint_on_every_rank(tmp_path, monkeypatch) -> None:
+    """The last rank's disk is full: every rank raises, naming it, ``latest`` keeps naming the
+    checkpoint before, and the next checkpoint is written (before, the others went on)."""
+    comm = MPI.COMM_WORLD
+    folder = comm.bcast(str(tmp_path), root=0)
+    checkpoint.save(folder, 10, comm, {"x": np.full(3, 10)}, {"step": 10})
+    savez = np.savez
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if comm.rank == comm.size - 1:
+        monkeypatch.setattr(np, "savez", full_disk)
+    with pytest.raises(checkpoint.CheckpointError) as exc:
+        checkpoint.save(folder, 20, comm, {"x": np.full(3, 20)}, {"step": 20})
+    assert str(exc.value) == (
+        f"the checkpoint after step 20 in {folder} was not written: rank {comm.size - 1}: "
+        "OSError: [Errno 28] No space left on device ('latest' names the one before)"
+    )
+    assert checkpoint.load(folder, comm.rank)[1] == {"step": 10}
+    monkeypatch.setattr(np, "savez", savez)
+    checkpoint.save(folder, 20, comm, {"x": np.full(3, 20)}, {"step": 20})
+    assert checkpoint.load(folder, comm.rank)[1] == {"step": 20}
+    comm.Barrier()  # rank 0's tmp_path outlives every rank's use of it
+
+
 @pytest.mark.parametrize(
     "damage, problem",
     [
