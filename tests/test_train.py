@@ -203,11 +203,15 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path_factory: pytest.TempPa
 
 
 def _damage(folder: Path, damage: str) -> Path:
-    """Damage rank 1's file of the checkpoint after step 23 in ``folder``: ``truncated``, or
-    leave out the entry ``damage``; return the file."""
+    """Damage rank 1's file of the checkpoint after step 23 in ``folder``: ``truncated``,
+    ``short`` (one parameter), or leave out the entry ``damage``; return the file."""
     path = folder / "step-000023" / "rank-1.npz"
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[:1000])
+    elif damage == "short":  # the parameters cut to their first element
+        with np.load(path) as archive:
+            kept = {key: archive[key][:1] if key == "params" else archive[key] for key in archive.files}
+        np.savez(path, **kept)
     else:
         with np.load(path) as archive:
             kept = {key: archive[key] for key in archive.files if key != damage}
@@ -224,6 +228,7 @@ def _damage(folder: Path, damage: str) -> Path:
             {
                 "truncated": " is truncated or corrupt (BadZipFile: ",
                 "params": ": lacks 'params'",
+                "short": ": the saved state has shape (1,), the model 1210 elements",
                 "algorithm.residual": ": the state lacks 'residual' (the error-feedback memory)",
             },
         ),

@@ -74,7 +74,11 @@ class Model(ABC):
 
     @abstractmethod
     def load(self, buf: Any, values: np.ndarray) -> None:
-        """Copy ``values`` into the flat buffer ``buf``."""
+        """Copy ``values`` into the flat buffer ``buf``.
+
+        Raises:
+            ValueError: ``values`` of another length than ``buf`` (:func:`check_length`).
+        """
 
     @abstractmethod
     def optimizer_state(self) -> dict[str, np.ndarray]:
@@ -83,7 +87,18 @@ class Model(ABC):
 
     @abstractmethod
     def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
-        """Restore what :meth:`optimizer_state` returned (into a fresh optimizer)."""
+        """Restore what :meth:`optimizer_state` returned (into a fresh optimizer).
+
+        Raises:
+            ValueError: a momentum of another length than the parameters'.
+        """
 
     def synchronize(self) -> None:
         """Wait for queued device work (so that host clocks measure it)."""
+
+
+def check_length(values: np.ndarray, length: int, what: str) -> None:
+    """Raise ValueError unless ``values`` is 1-D with ``length`` elements (a checkpoint's
+    array must not be broadcast or cut to fit)."""
+    if values.shape != (length,):
+        raise ValueError(f"{what} has shape {values.shape}, the model {length} elements")

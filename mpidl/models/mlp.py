@@ -27,7 +27,7 @@ import numpy as np
 
 from algorithms import optim
 
-from .base import Model
+from .base import Model, check_length
 
 
 def init_params(sizes: Sequence[int], seed: int, dtype: Any = np.float32) -> np.ndarray:
@@ -159,6 +159,7 @@ class NumpyMLP(Model):
         return buf.copy()
 
     def load(self, buf: np.ndarray, values: np.ndarray) -> None:
+        check_length(values, buf.size, "the saved state")
         buf[...] = values
 
     # algorithms.optim.SGD keeps its momentum buffer in ``_buf`` and whether it holds one in ``_started``.
@@ -167,5 +168,6 @@ class NumpyMLP(Model):
 
     def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
         if "momentum" in state:
+            check_length(state["momentum"], self.optimizer._buf.size, "the saved momentum")
             self.optimizer._buf[...] = state["momentum"]
             self.optimizer._started = True

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Model
+from .base import Model, check_length
 
 #: Samples per forward pass of an evaluation (bounds its memory).
 EVAL_CHUNK = 1000
@@ -106,6 +106,7 @@ class TorchModel(Model):
     def load(self, buf: Any, values: np.ndarray) -> None:
         import torch
 
+        check_length(values, buf.numel(), "the saved state")
         with torch.no_grad():
             buf.copy_(torch.from_numpy(values))
 
@@ -122,6 +123,7 @@ class TorchModel(Model):
 
         if "momentum" not in state:
             return
+        check_length(state["momentum"], sum(p.numel() for p in self.model.parameters()), "the saved momentum")
         flat, offset = torch.from_numpy(state["momentum"]), 0
         for p in self.model.parameters():
             self.optimizer.state[p]["momentum_buffer"] = (
