@@ -34,7 +34,7 @@ from ..kernels import shm as _shm
 from ..kernels.plans import PLANNERS, Request
 from ..topology.layout import Layout
 from ..transport import gpu, p2p
-from ..transport.context import Context, context
+from ..transport.context import context
 from ..transport.exchange import sendrecv_combine
 from ..transport.ops import reduction
 from ..transport.p2p import sendrecv
@@ -76,7 +76,7 @@ def calibrate(
     buffer (what :mod:`collectives.api` passes): its least time, the slowest
     rank's, is ``overhead``; without it the overhead is 0.
     """
-    user, ctx = comm, _context(comm)
+    user, ctx = comm, context(comm)
     comm = ctx.comm
     if xp is not np:
         gpu.configure(comm)  # the device transport the algorithms will use (collective)
@@ -185,7 +185,7 @@ def _offsets(
     the least of ``batches`` barrier-aligned batches of ``calls`` calls, the slowest
     rank's) minus what its model predicts with ``prm`` (collective: plans are built)."""
     x, add = xp.zeros(_SMALL // 4, np.float32), reduction("sum", "float32", xp)
-    ctx = _context(comm)
+    ctx = context(comm)
     offsets = {}
     for name in MODELS:
         if name == "shm":  # its parameters are fitted to its own runs
@@ -202,12 +202,6 @@ def _offsets(
             samples.append(_slowest(ctx.comm, (time.perf_counter() - t0) / calls))
         offsets[name] = min(samples) - MODELS[name](prm, lay, float(_SMALL), None)
     return offsets
-
-
-def _context(comm: MPI.Comm) -> Context:
-    """``comm``'s context (created on first use: a Dup on every rank)."""
-    with _waiting(comm, "Dup"):
-        return context(comm)
 
 
 def _barrier(comm: MPI.Comm) -> None:
@@ -239,7 +233,7 @@ def params_for(
     key = ("costmodel", xp.__name__)
     prm = cache.get(key)
     if prm is None:
-        private = _context(comm).comm
+        private = context(comm).comm
         path, prm = _on_rank0(private, _from_file) if xp is np else (None, None)
         if prm is None:
             prm = calibrate(comm, lay, xp=xp, entry=entry)
