@@ -11,6 +11,7 @@ process behind has it ended too.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import signal
 import subprocess
@@ -92,3 +93,22 @@ def test_a_job_that_exits_leaving_a_process_has_it_ended(tmp_path: Path, capsys:
     left = [pid for pid in job_pids(pids, 2) if alive(pid)]
     assert not left, f"left running after the job exited: {left}"
     assert "the job exited and left 1 processes running; ended them" in capsys.readouterr().err
+
+
+def test_a_node_may_have_a_link_of_its_own_rate() -> None:
+    """``--node NODE=RATE``: parsed and checked against the cluster's nodes (no root needed)."""
+    nodes = ["node1", "node2", "node3"]
+    args = argparse.Namespace(rate="1gbit", node=["node3=100mbit"], delay=None)
+    rate, node_rates, delay = cluster.link_parameters(args, nodes)
+    assert (rate, node_rates, delay) == ("1gbit", {"node3": "100mbit"}, None)
+    shaped = cluster.Cluster(nodes=nodes, rate=rate, node_rates=node_rates)
+    assert [shaped.bits(n) for n in nodes] == [1e9, 1e9, 1e8]
+    assert "node3's 100 Mbit/s" in cluster.describe(shaped)
+    for bad, problem in (
+        ("node4=100mbit", "--node node4=100mbit: NODE=RATE with NODE one of node1, node2, node3"),
+        ("node3", "--node node3: NODE=RATE"),
+        ("node3=fast", "rate 'fast'"),
+    ):
+        with pytest.raises(cluster.ClusterError) as error:
+            cluster.link_parameters(argparse.Namespace(rate="1gbit", node=[bad], delay=None), nodes)
+        assert problem in str(error.value)

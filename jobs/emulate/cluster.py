@@ -5,6 +5,7 @@
     jobs/emulate/cluster.py run -n 2 -- mpidl info         # an MPI job, 2 ranks per node
     jobs/emulate/cluster.py run --timeout 600 -n 2 -- ...  # ended, all of it, after 10 min
     jobs/emulate/cluster.py shape --rate 100mbit           # another link rate, then check
+    jobs/emulate/cluster.py shape --rate 1gbit --node node3=100mbit   # one node's link slower
     jobs/emulate/cluster.py check                          # measure the links again
     jobs/emulate/cluster.py status                         # what exists
     jobs/emulate/cluster.py down                           # remove all that up made
@@ -20,7 +21,9 @@ forwarding is left alone: nothing leaves the machine.
 Shaping. A node's link is full duplex at ``--rate``: a token bucket (tc
 ``tbf``) on the node's egress (``eth0``) and one on its ingress (the egress of
 ``veth-node<i>`` toward the node). A message from node 1 to node 2 passes
-node 1's egress bucket and node 2's ingress bucket. ``--delay`` adds a one-way
+node 1's egress bucket and node 2's ingress bucket. ``--node NODE=RATE``
+gives one node's link its own rate (a slow link: a node behind a slower
+switch port, or one whose link other jobs share), both ways. ``--delay`` adds a one-way
 delay on each node's egress with ``netem``, where the kernel has it
 (``sch_netem``); where it does not, ``up`` and ``shape`` refuse with that
 reason.
@@ -226,6 +229,7 @@ class Cluster:
 
     nodes: list[str]
     rate: str | None = None  # as given, e.g. "1gbit"; None: unshaped
+    node_rates: dict[str, str] = field(default_factory=dict)  # nodes whose link has its own rate
     delay: str | None = None
     made: list[list[str]] = field(default_factory=list)  # [kind, name]: link, netns, dir, file
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -264,6 +268,10 @@ class Cluster:
     def veth(node: str) -> str:
         """The root-namespace end of the node's link, a port of the bridge."""
         return f"veth-{node}"
+
+    def bits(self, node: str) -> float | None:
+        """The rate of the node's link in bits per second (None: unshaped)."""
+        return parse_rate(self.node_rates.get(node, self.rate))
 
 
 def exists(kind: str, name: str) -> bool:
@@ -315,11 +323,11 @@ def build(cluster: Cluster) -> None:
         (etc / node / "hosts").write_text(hosts_file(cluster))
 
 
-def shape(cluster: Cluster, bits: float | None, delay: str | None) -> None:
-    """Shape every node's link both ways; the delay goes on the node's egress only."""
+def shape(cluster: Cluster) -> None:
+    """Shape every node's link both ways at its rate; the delay goes on the node's egress only."""
     for node in cluster.nodes:
-        shape_device("eth0", bits, delay, netns=node)
-        shape_device(cluster.veth(node), bits, None)
+        shape_device("eth0", cluster.bits(node), cluster.delay, netns=node)
+        shape_device(cluster.veth(node), cluster.bits(node), None)
 
 
 def stop_processes(node: str) -> list[int]:
@@ -485,8 +493,7 @@ def verify(cluster: Cluster, nbytes: int = CHECK_BYTES) -> None:
     pairs = [(i, i + 1) for i in range(0, len(nodes) - 1, 2)]
     if len(nodes) % 2:
         pairs.append((len(nodes) - 1, 0))
-    bits = parse_rate(cluster.rate)
-    slowest = 8.0 * nbytes / (bits or 1e9)
+    slowest = 8.0 * nbytes / min(cluster.bits(node) or 1e9 for node in nodes)
     command = mpiexec_command(cluster, nodes, 1, "ofi-tcp")
     python = Path(command[0]).parent / "python3"  # the mpich wheel's mpiexec sits beside its python
     command += [str(python) if python.exists() else "python3", str(PINGPONG), "--bytes", str(nbytes)]
@@ -508,6 +515,8 @@ def verify(cluster: Cluster, nbytes: int = CHECK_BYTES) -> None:
     sent = dict.fromkeys(nodes, 0)  # bytes the ping-pong sent over each link each way
     for pair in result["pairs"]:
         a, b = (nodes[rank] for rank in pair["ranks"])
+        rates = [r for r in (cluster.bits(a), cluster.bits(b)) if r is not None]
+        bits = min(rates) if rates else None  # the slower link of the two sets the pace
         times = pair["one_way_s"]
         reached, typical = 8 * nbytes / min(times), 8 * nbytes / statistics.median(times)
         for node in (a, b):
@@ -546,28 +555,39 @@ def recorded() -> Cluster:
     return cluster
 
 
-def link_parameters(args: argparse.Namespace) -> tuple[float | None, str | None]:
-    """The rate and delay asked for; ClusterError for a delay this kernel cannot give."""
-    bits, delay = parse_rate(args.rate), parse_delay(args.delay)
+def link_parameters(args: argparse.Namespace, nodes: list[str]) -> tuple[str | None, dict[str, str], str | None]:
+    """The rate, the nodes' own rates (``--node NODE=RATE``) and the delay asked for, each
+    checked; ClusterError for an unknown node, a bad rate or a delay this kernel cannot give."""
+    parse_rate(args.rate)
+    node_rates = {}
+    for item in args.node or ():
+        node, _, rate = item.partition("=")
+        if node not in nodes or not rate:
+            raise ClusterError(f"--node {item}: NODE=RATE with NODE one of {', '.join(nodes)}")
+        parse_rate(rate)
+        node_rates[node] = rate
+    delay = parse_delay(args.delay)
     if delay and not netem_available():
         raise ClusterError(
             f"--delay {delay} needs netem (sch_netem, CONFIG_NET_SCH_NETEM), which this kernel "
             f"({os.uname().release}) does not have; leave --delay out (the rate alone is shaped)"
         )
-    return bits, delay
+    return args.rate, node_rates, delay
 
 
 def describe(cluster: Cluster) -> str:
     """One line: the nodes and their links."""
     delay = f", {cluster.delay} one-way delay" if cluster.delay else ""
-    return f"{len(cluster.nodes)} nodes on {BRIDGE}, links {describe_rate(parse_rate(cluster.rate))}{delay}"
+    own = "".join(f", {node}'s {describe_rate(cluster.bits(node))}" for node in cluster.node_rates)
+    return f"{len(cluster.nodes)} nodes on {BRIDGE}, links {describe_rate(parse_rate(cluster.rate))}{own}{delay}"
 
 
 def cmd_up(args: argparse.Namespace) -> None:
     """Make the cluster, shape its links, check them; on any failure remove it again."""
     if not 2 <= args.nodes <= ipaddress.ip_network(SUBNET).num_addresses - 3:
         raise ClusterError(f"--nodes {args.nodes}: from 2 to {ipaddress.ip_network(SUBNET).num_addresses - 3}")
-    bits, delay = link_parameters(args)
+    names = [f"{NODE_PREFIX}{i}" for i in range(1, args.nodes + 1)]
+    rate, node_rates, delay = link_parameters(args, names)
     with locked():
         existing = Cluster.load()
         if existing is not None:
@@ -575,7 +595,7 @@ def cmd_up(args: argparse.Namespace) -> None:
                 f"a cluster is already up ({describe(existing)}, since {existing.created}): "
                 "'cluster.py down' first, or 'cluster.py shape' to change its links"
             )
-        cluster = Cluster(nodes=[f"{NODE_PREFIX}{i}" for i in range(1, args.nodes + 1)], rate=args.rate, delay=delay)
+        cluster = Cluster(nodes=names, rate=rate, node_rates=node_rates, delay=delay)
         planned = [("link", BRIDGE)]
         for node in cluster.nodes:
             planned += [("netns", node), ("link", cluster.veth(node)), ("dir", f"/etc/netns/{node}")]
@@ -587,7 +607,7 @@ def cmd_up(args: argparse.Namespace) -> None:
             raise ClusterError(f"already there, not made by cluster.py: {', '.join(taken)}; remove them first")
         try:
             build(cluster)
-            shape(cluster, bits, delay)
+            shape(cluster)
             print(f"up     {describe(cluster)}, {SUBNET} ({cluster.head_address} = {HEAD_NAME})")
             verify(cluster)
         except BaseException as failure:
@@ -599,11 +619,10 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 def cmd_shape(args: argparse.Namespace) -> None:
     """Give the links of the running cluster another rate or delay, then check them."""
-    bits, delay = link_parameters(args)
     with locked():
         cluster = recorded()
-        cluster.rate, cluster.delay = args.rate, delay
-        shape(cluster, bits, delay)
+        cluster.rate, cluster.node_rates, cluster.delay = link_parameters(args, cluster.nodes)
+        shape(cluster)
         cluster.save()
         print(f"shape  {describe(cluster)}")
         if not args.no_check:
@@ -696,6 +715,12 @@ def main(argv: list[str] | None = None) -> int:
     links = argparse.ArgumentParser(add_help=False)
     links.add_argument(
         "--rate", help="each node's link rate, both ways, as tc writes it: 100mbit, 1gbit, 10gbit; default: unshaped"
+    )
+    links.add_argument(
+        "--node",
+        action="append",
+        metavar="NODE=RATE",
+        help="this node's link at its own rate, both ways, e.g. node3=100mbit (repeatable)",
     )
     links.add_argument("--delay", help="one-way delay between nodes (100us, 2ms); needs the kernel's sch_netem")
 
