@@ -12,7 +12,13 @@ A step of worker i (its gradient g_i already computed by the caller):
   thread while the caller computed g_i, so computation and communication
   overlap; (2) apply the local optimizer with g_i to the averaged model;
   (3) start the next averaging, with a neighbor drawn uniformly at random
-  (seeded by (``seed``, rank)).
+  (seeded by (``seed``, rank)), or with ``partner="aware"`` chosen by place
+  and measured speed (:class:`collectives.partial.placement.Placement`: a
+  neighbor on its node first, one on another node every ``cross_every``-th
+  averaging, over the link that cost least so far and in turns to every
+  node; random among neighbors the rules do not tell apart). The costs are
+  the worker's own averagings' times, so a slow link is avoided by the
+  workers that saw it slow.
 * passive: apply the local optimizer. A server thread answers the active
   neighbors' averaging requests whenever they come, whatever the worker is
   doing, so a slow passive worker does not slow its active neighbors, and a
@@ -83,6 +89,8 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives import ArgumentError, reduction
+from collectives.partial.placement import Placement
+from collectives.topology.layout import layout as node_layout
 from collectives.transport import gpu, p2p, threads
 from collectives.transport.buffers import array_module
 from collectives.transport.scratch import scratch
@@ -90,6 +98,9 @@ from collectives.transport.scratch import scratch
 from .background import Background
 from .base import Algorithm
 from .topology import Topology, build
+
+#: How an active worker chooses the neighbor of its next averaging.
+PARTNERS = ("random", "aware")
 
 
 class ADPSGD(Algorithm):
@@ -101,6 +112,8 @@ class ADPSGD(Algorithm):
             communicator's size or the name of one; None: the ring for even
             n, ``"bipartite"`` for odd n.
         seed: seeds each worker's choice of neighbors (with its rank).
+        partner: "random" (the paper's) or "aware" (module docstring).
+        cross_every: aware: every how many averagings cross nodes (>= 1).
 
     Attributes:
         topology: the resolved graph.
@@ -121,9 +134,11 @@ class ADPSGD(Algorithm):
         *,
         topology: str | Topology | None = None,
         seed: int = 0,
+        partner: str = "random",
+        cross_every: int = 2,
         **common: Any,
     ) -> None:
-        self.topology_arg, self.seed = topology, seed
+        self.topology_arg, self.seed, self.partner, self.cross_every = topology, seed, partner, cross_every
         self.averagings = 0
         self.last_peer: int | None = None
         self._background: Background | None = None
@@ -150,15 +165,22 @@ class ADPSGD(Algorithm):
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ArgumentError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.partner not in PARTNERS:
+            raise ArgumentError(f"unknown partner choice {self.partner!r}; valid: {', '.join(PARTNERS)}")
+        if isinstance(self.cross_every, bool) or not isinstance(self.cross_every, int) or self.cross_every < 1:
+            raise ArgumentError(f"cross_every must be an integer >= 1, got {self.cross_every!r}")
         threads.require_multiple("AD-PSGD averages on service threads")
         self.topology, self.active, self.peers = topo, sides[self.rank] == 0, topo.neighbors(self.rank)
-        return (topo.name, crc32(topo.W.tobytes()), self.seed)
+        return (topo.name, crc32(topo.W.tobytes()), self.seed, self.partner, self.cross_every)
 
     def _start(self) -> None:
         self._comm = self.comm.Dup()
         self._lock = threading.Lock()
         self._red = reduction("avg", self.flat.dtype, array_module(self.flat.state_data))
         self._rng = np.random.default_rng([self.seed, self.rank])
+        self._placement = (
+            Placement(node_layout(self.comm).node_of, self.cross_every) if self.partner == "aware" else None
+        )
         if not self.peers or not self.flat.state_data.shape[0]:  # no neighbor, or nothing to average
             return
         if self.active:
@@ -178,26 +200,39 @@ class ADPSGD(Algorithm):
             self._collect()
         self.optimizer.step()
         if self._background is not None:
-            self.last_peer = self.peers[int(self._rng.integers(len(self.peers)))]
+            self.last_peer = self._next_peer()
             self._background.submit(self._average_with, self.last_peer)
 
-    def _average_with(self, peer: int) -> None:
-        """On the averaging thread: x_i, x_peer <- (x_i + x_peer) / 2 (the peer's server does its half)."""
+    def _next_peer(self) -> int:
+        """The neighbor of the next averaging: drawn at random, or by place and speed (aware)."""
+        if self._placement is None:
+            return self.peers[int(self._rng.integers(len(self.peers)))]
+        shuffled = [self.peers[i] for i in self._rng.permutation(len(self.peers))]
+        chosen = self._placement.choose(self.rank, shuffled, 1)
+        return shuffled[0] if chosen is None else chosen[0]  # None: a crossing is due, but no neighbor is away
+
+    def _average_with(self, peer: int) -> float:
+        """On the averaging thread: x_i, x_peer <- (x_i + x_peer) / 2 (the peer's server does its
+        half); the seconds it took."""
+        t0 = time.perf_counter()
         x = self.flat.state_data
         theirs = scratch(x, x.shape[0])
         p2p.operation(f"AD-PSGD averaging with rank {peer}")
         pending = [p2p.irecv(self._comm, theirs, peer), p2p.isend(self._comm, x, peer)]
         p2p.waitall(pending, self._comm, (peer,), poll=True)
         _average(self._red, x, theirs, peer < self.rank)
+        return time.perf_counter() - t0
 
     def _collect(self) -> None:
         """Wait for the averaging in flight; count its time and bytes."""
         assert self._background is not None  # active workers only
         t0 = time.perf_counter()
-        _, nbytes = self._background.result()
+        seconds, nbytes = self._background.result()
         self.comm_wait_s += time.perf_counter() - t0
         self.bytes_sent += nbytes
         self.averagings += 1
+        if self._placement is not None and self.last_peer is not None:
+            self._placement.exchanged((self.rank, self.last_peer), seconds)
 
     def _count_served(self) -> None:
         """Add what the server did since the last count (passive)."""

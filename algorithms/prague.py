@@ -17,11 +17,15 @@ is no global barrier: a worker waits only for its group to form and run.
 Policies (``policy``): ``smart`` (the default) groups only workers that are
 waiting for a group, oldest request first, so fast workers average with fast
 ones and a slow worker never holds a fast one up — Prague's answer to
-heterogeneity; ``random`` draws the requester's partners at random (a slow
-worker drafted into a group makes its partners wait for it); ``static`` runs
-a fixed conflict-free schedule that rotates every ``period`` averagings with
-no service round trip, but every worker must then average the same number of
-times between two :meth:`Prague.settle` calls, as in a synchronous algorithm
+heterogeneity; ``aware`` is ``smart`` that also knows places and speeds
+(inside a node first, across nodes regularly and over the cheapest links,
+waiting for a node mate only while that is cheaper than crossing:
+:mod:`collectives.partial.placement`); ``random`` draws the requester's
+partners at random (a slow worker drafted into a group makes its partners
+wait for it); ``static`` runs a fixed conflict-free schedule that rotates
+every ``period`` averagings with no service round trip, but every worker
+must then average the same number of times between two
+:meth:`Prague.settle` calls, as in a synchronous algorithm
 (:attr:`Prague.uneven_steps` is false; it is true for the other policies).
 
 Where the service runs: a thread on rank 0 of the workers (no extra rank).
@@ -57,9 +61,10 @@ class Prague(Algorithm):
     Args:
         model, optimizer, comm, broadcast_init, validate: see :class:`~algorithms.base.Algorithm`.
         group_size: workers per group (default: pairs; 1 on a single rank).
-        policy: "smart", "random" or "static" (:data:`collectives.POLICIES`).
+        policy: "smart", "aware", "random" or "static" (:data:`collectives.POLICIES`).
         local_steps: optimizer steps between averagings (>= 1).
         period: static only: averagings a partition is kept before it rotates.
+        cross_every: aware only: every how many averagings a worker crosses nodes.
         seed: seed of the group generator's draws / the static schedule.
         algorithm: the all-reduce run within a group (:data:`collectives.GROUP_KERNELS`).
 
@@ -79,6 +84,7 @@ class Prague(Algorithm):
         policy: str = "smart",
         local_steps: int = 1,
         period: int = 1,
+        cross_every: int = 2,
         seed: int = 0,
         algorithm: str = "ring",
         **common: Any,
@@ -87,6 +93,7 @@ class Prague(Algorithm):
             "group_size": group_size,
             "policy": policy,
             "period": period,
+            "cross_every": cross_every,
             "seed": seed,
             "algorithm": algorithm,
         }

@@ -155,6 +155,19 @@ ALGORITHM_OPTIONS = (
         "--policy", "policy", "how the group generator forms groups (default smart)", list(collectives.POLICIES)
     ),
     AlgorithmOption(
+        "--partner",
+        "partner",
+        "how an active worker chooses the neighbor of its next averaging: random, or aware of nodes and "
+        "measured link costs (default random)",
+        ["random", "aware"],
+    ),
+    AlgorithmOption(
+        "--cross-every",
+        "cross_every",
+        "aware partners and policy: every how many averagings a worker crosses nodes (default 2)",
+        type=_positive_int,
+    ),
+    AlgorithmOption(
         "--local-steps", "local_steps", "optimizer steps between averagings (default 1)", type=_positive_int
     ),
     AlgorithmOption(

@@ -33,9 +33,11 @@ SUM_RTOL = 1e-10
 #: (name, options) of the configurations checked.
 CONFIGS = (
     ("adpsgd", {}),
+    ("adpsgd", {"partner": "aware"}),
     ("grsgd", {"max_lead": 0}),
     ("grsgd", {"max_lead": 3}),
     ("prague", {"policy": "smart"}),
+    ("prague", {"policy": "aware"}),
     ("prague", {"policy": "random", "group_size": 3}),
     ("prague", {"policy": "static", "group_size": 3, "period": 2}),
 )

@@ -32,7 +32,8 @@ SUM_RTOL = 1e-10
 
 def configs(n: int) -> list[tuple[str, int]]:
     """(policy, group size) pairs worth running on n ranks: pairs, triples, everyone."""
-    wanted = [("random", 2), ("random", 3), ("random", n), ("smart", 2), ("smart", 3), ("static", 3), ("static", n)]
+    wanted = [("random", 2), ("random", 3), ("random", n), ("smart", 2), ("smart", 3), ("aware", 2), ("aware", 3)]
+    wanted += [("static", 3), ("static", n)]
     return list(dict.fromkeys((policy, min(k, n)) for policy, k in wanted))
 
 

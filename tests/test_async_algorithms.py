@@ -45,6 +45,30 @@ def test_sum_is_preserved_and_workers_agree_large_communicators(size: int) -> No
     assert min(counts[:3]) >= 1000, proc.stdout  # AD-PSGD and GR-SGD: thousands of pairwise exchanges
 
 
+@pytest.mark.timeout(60)
+def test_aware_adpsgd_averages_inside_its_node_and_across_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes of two ranks, the complete bipartite graph: an active worker alternates between
+    its node mate and a neighbor on the other node (cross_every=2); the sum is kept."""
+    monkeypatch.setenv("MPIDL_RANKS_PER_NODE", "2")
+    comm = comm_of_size(4)
+    if comm.Get_size() != 4:
+        pytest.skip("needs 4 ranks: two nodes of two")
+    x = np.full(DIM, float(comm.rank))
+    total = comm.allreduce(float(x.sum()))
+    peers = []
+    with algorithms.create(
+        "adpsgd", x, SGD(x, lr=0.0), comm, topology="bipartite", partner="aware", broadcast_init=False
+    ) as algo:
+        for _ in range(6):
+            algo.step(np.zeros(DIM))
+            peers.append(algo.last_peer)
+        algo.settle()
+        kept = abs(comm.allreduce(float(x.sum())) - total) <= 1e-9 * total
+    mate, away = comm.rank + 1, 3 - comm.rank  # active ranks 0 and 2: passive 1 and 3
+    expected = [mate, away] * 3
+    assert all_ok(comm, kept and (not algo.active or peers == expected)), peers
+
+
 def test_which_algorithms_take_uneven_steps() -> None:
     comm = MPI.COMM_WORLD
     flags = {}

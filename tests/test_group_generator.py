@@ -235,6 +235,46 @@ class Clock:
         return self.now
 
 
+def test_aware_waits_for_a_node_mate_due_soon_not_for_a_straggler() -> None:
+    """Four workers on two nodes. Measured: 2 ms inside a node, 50 ms across, so crossing
+    costs 48 ms more; w1 is a straggler (a 200 ms step), the others take 6-8 ms."""
+    clock = Clock()
+    clock.now = 0.0
+    gg = GroupGenerator(4, 2, "aware", nodes=[0, 0, 1, 1], cross_every=10, clock=clock)
+
+    def at(t: float, *requests: int) -> list[tuple[int, ...]]:
+        clock.now = t
+        return [g.members for w in requests for g in gg.request(w)]
+
+    def finish(t: float, members: tuple[int, ...]) -> None:
+        clock.now = t
+        (group,) = [g for g in gg.active if g.members == members]
+        for m in members:
+            gg.done(m, group.gid)
+
+    assert at(0.000, 0, 1) == [(0, 1)]
+    finish(0.002, (0, 1))
+    assert at(0.002, 2, 3) == [(2, 3)]
+    finish(0.004, (2, 3))
+    assert at(0.010, 0, 2) == [(0, 2)]  # no step of w1 known yet: w0 crosses at once
+    finish(0.060, (0, 2))
+    # w1 (step 200 ms) and w3 ask; each one's node mate is due at once: both wait for it
+    assert at(0.202, 1) == [] and at(0.203, 3) == []
+    assert at(0.210, 0) == [(0, 1)] and at(0.211, 2) == [(2, 3)]
+    finish(0.212, (0, 1))
+    finish(0.213, (2, 3))
+    # w0's node mate is the straggler, due in 191 ms: w0 crosses rather than wait
+    assert at(0.220, 0) == [] and at(0.221, 2) == [(0, 2)]
+    finish(0.271, (0, 2))
+    # w1 and w3 wait for their mates, due already; when those stay away as long as
+    # crossing would cost more (48 ms), the next tick crosses
+    assert at(0.412, 1) == [] and at(0.413, 3) == []
+    clock.now = 0.450
+    assert gg.tick() == []
+    clock.now = 0.462
+    assert [g.members for g in gg.tick()] == [(1, 3)]
+
+
 def test_stalled_reports_each_wait_once_under_its_own_key() -> None:
     """The stall inspector reports a key once: a worker's second wait, for a request or
     for the others to close, has a key of its own, so it is reported too."""
@@ -282,10 +322,14 @@ def simulate(n: int, k: int, policy: str, iterations: int, seed: int) -> None:
     Inside those calls it takes its notifications in order; a group's
     all-reduce runs once every member has it at the head of its inbox. Checks
     no deadlock, one group per worker at a time, every request served exactly
-    once, FIFO among overlapping random groups, and the exact sum.
+    once, FIFO among overlapping random groups, and the exact sum. The aware
+    policy sees nodes of two workers (the last alone where n is odd) and a
+    clock that one action moves by a random amount.
     """
     rng = random.Random(seed)
-    gg = GroupGenerator(n, k, policy, seed=seed)
+    clock = Clock()
+    nodes = [w // 2 for w in range(n)] if policy == "aware" else None
+    gg = GroupGenerator(n, k, policy, seed=seed, nodes=nodes, clock=clock)
     value = [Fraction(rng.randint(-50, 50)) for _ in range(n)]
     total = sum(value)
     left = [iterations] * n
@@ -309,6 +353,8 @@ def simulate(n: int, k: int, policy: str, iterations: int, seed: int) -> None:
         actions += [("run", inbox[ws[0]][0]) for ws in heads.values() if len(ws) == len(inbox[ws[0]][0].members)]
         assert actions, f"deadlock: states {state}, inboxes {[[g.gid for g in q] for q in inbox]}"
         kind, x = rng.choice(actions)
+        clock.now += rng.random() * 0.01
+        deliver(gg.tick())
         if kind == "step":
             if left[x]:
                 left[x] -= 1
@@ -338,7 +384,7 @@ def simulate(n: int, k: int, policy: str, iterations: int, seed: int) -> None:
                 assert a.gid < b.gid, f"g{b.gid} overtook the overlapping g{a.gid}"
 
 
-@pytest.mark.parametrize("policy", ["random", "smart"])
+@pytest.mark.parametrize("policy", ["random", "smart", "aware"])
 @pytest.mark.parametrize("n", range(1, 9))
 def test_protocol_simulation(policy: str, n: int) -> None:
     for k in range(1, n + 1):

@@ -83,7 +83,7 @@ def test_atomicity_and_consensus_large_communicators(size: int) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("policy", ["random", "smart"])
+@pytest.mark.parametrize("policy", ["random", "smart", "aware"])
 def test_drafts_are_served_in_close(policy: str) -> None:
     """The last rank never averages; the others do, so it is drafted (random) or
     grouped once it has closed (smart), and serves those groups in close()."""
@@ -100,7 +100,7 @@ def test_drafts_are_served_in_close(policy: str) -> None:
     assert all_ok(comm, pr.stats.calls == (0 if r == n - 1 else 20))
 
 
-@pytest.mark.parametrize("policy", ["random", "smart", "static"])
+@pytest.mark.parametrize("policy", ["random", "smart", "aware", "static"])
 def test_settle_pauses_with_nothing_in_flight(policy: str) -> None:
     """Workers average different numbers of times, settle, then average on: after settle()
     the buffers are stable (the sum is kept and nothing changes them), and the service
@@ -121,6 +121,25 @@ def test_settle_pauses_with_nothing_in_flight(policy: str) -> None:
         for _ in range(3):
             pr.average()
     assert all_ok(comm, unchanged and kept and abs(comm.allreduce(float(x.sum())) - total) <= 1e-9 * total)
+
+
+@pytest.mark.timeout(60)
+def test_aware_groups_cross_nodes_regularly_and_keep_the_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes of two ranks: every worker's groups cross nodes now and then (every second one of
+    a leader's at most), and the sum is kept exactly as with the other policies."""
+    monkeypatch.setenv("MPIDL_RANKS_PER_NODE", "2")
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    x = np.full(3, float(r * r))
+    total = comm.allreduce(float(x.sum()))
+    crossed = 0
+    with PReduce(x, comm, group_size=min(2, n), policy="aware") as pr:
+        for _ in range(12):
+            pr.average()
+            assert pr.last_group is not None and r in pr.last_group
+            crossed += len({m // 2 for m in pr.last_group}) > 1
+    assert all_ok(comm, abs(comm.allreduce(float(x.sum())) - total) <= 1e-9 * (1 + total))
+    assert all_ok(comm, crossed > 0 if n > 2 else crossed == 0)
 
 
 def test_smart_never_drafts_a_computing_worker() -> None:

@@ -56,6 +56,19 @@ Policies (:data:`POLICIES`):
     a group forms as soon as ``group_size`` idle, unlocked workers exist, so
     fast workers are grouped with the other fast workers that are waiting, and
     a slow worker never holds a fast one up. Every waiting member is served.
+``aware``
+    Like ``smart`` (groups of idle workers only, the oldest waiting request
+    leads), but the leader's partners are chosen by place and measured speed
+    (:class:`~collectives.partial.placement.Placement`): inside its node first,
+    across nodes every ``cross_every``-th group of the leader (to the node it
+    exchanges with most cheaply, and in turns to every other), and a leader
+    with no idle node mate waits for one that is computing only while that is
+    expected to cost less than crossing. GG measures what it needs from the
+    messages it gets anyway: a group's time from its start to its last
+    member's DONE, inside a node or across, and each worker's step (from the
+    DONE of the group that served it to its next REQUEST). A leader that
+    waits for time to pass is looked at again by :meth:`GroupGenerator.tick`.
+    Leaders that cannot be served yet do not hold up later ones.
 ``static``
     No service at all: :func:`static_groups` partitions the workers into
     groups of at most ``group_size`` by a permutation drawn from
@@ -71,7 +84,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -79,9 +92,10 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ..transport.chunks import chunk_bounds
+from .placement import SMOOTHING, Placement
 
 #: Group-formation policies.
-POLICIES = ("random", "smart", "static")
+POLICIES = ("random", "smart", "aware", "static")
 
 #: A group chooser for the random policy: given the requester, the members
 #: (requester included) of its group. Used to script the seed's example.
@@ -138,6 +152,8 @@ class GroupGenerator:
         seed: seed of the random draws.
         draw: replaces the random draw (random policy only): requester ->
             members; groups may then have any size.
+        nodes: the node of each worker (aware policy; default: one node).
+        cross_every: aware: every how many groups a worker crosses nodes.
         clock: time source for waits (seconds).
         trace: called with one human-readable line per event, or None.
     """
@@ -150,6 +166,8 @@ class GroupGenerator:
         *,
         seed: int = 0,
         draw: Draw | None = None,
+        nodes: Sequence[int] | None = None,
+        cross_every: int = 2,
         clock: Callable[[], float] = time.monotonic,
         trace: Callable[[str], None] | None = None,
     ) -> None:
@@ -160,7 +178,9 @@ class GroupGenerator:
         if policy == "static":
             raise ArgumentError("the static policy needs no group generator; use static_groups()")
         if draw is not None and policy != "random":
-            raise ArgumentError("draw= replaces the random policy's draw; it cannot be used with 'smart'")
+            raise ArgumentError(f"draw= replaces the random policy's draw; it cannot be used with {policy!r}")
+        if nodes is not None and len(nodes) != n:
+            raise ArgumentError(f"nodes= gives the node of {len(nodes)} workers, not of {n}")
         self.n, self.group_size, self.policy = int(n), int(group_size), policy
         self._rng = random.Random(seed)
         self._draw = draw
@@ -174,6 +194,9 @@ class GroupGenerator:
         self._closed: set[int] = set()
         self._closing_since: float | None = None  # when the first worker closed (since the last reopen)
         self._next_gid = 1
+        self.placement = Placement([0] * self.n if nodes is None else nodes, cross_every)
+        self._step_s: dict[int, float] = {}  # aware: each worker's step, from served to next request
+        self._served_at: dict[int, float] = {}  # aware: when the group serving the worker's last request ended for it
 
     # -- state -------------------------------------------------------------
 
@@ -224,8 +247,11 @@ class GroupGenerator:
         if worker in self._waiting or worker in self._closed:
             state = "has an outstanding request" if worker in self._waiting else "has closed"
             raise ArgumentError(f"worker {worker} cannot request a group: it {state}")
-        if self.policy == "smart":
-            self._waiting[worker] = self._clock()
+        if self.policy in ("smart", "aware"):
+            now = self._waiting[worker] = self._clock()
+            if worker in self._served_at:  # aware: its step since it was served
+                step, last = now - self._served_at.pop(worker), self._step_s.get(worker)
+                self._step_s[worker] = step if last is None else (1 - SMOOTHING) * last + SMOOTHING * step
             self._log(f"request w{worker}; waiting {workers(self._waiting)}, a group needs {self.group_size} idle")
             return self._schedule()
         queued = next((g for g in self._queue if worker in g.members), None)
@@ -249,8 +275,13 @@ class GroupGenerator:
             raise ArgumentError(f"worker {worker} reported done for g{gid}, which it is not running")
         group.running.discard(worker)
         self._lock[worker] = None
+        now = self._clock()
+        if self.policy == "aware" and worker in group.served:
+            self._served_at[worker] = now
         if not group.running:
             del self._active[gid]
+            if self.policy == "aware":
+                self.placement.exchanged(group.members, now - (group.started or now))
         self._log(f"done w{worker} g{gid}{'' if group.running else ' (group released)'}; locks {self._vector()}")
         return self._schedule()
 
@@ -267,6 +298,11 @@ class GroupGenerator:
             self._closing_since = self._clock()
         self._log(f"close w{worker} ({len(self._closed)}/{self.n} closed)")
         return self._schedule()
+
+    def tick(self) -> list[Group]:
+        """Time passed without a message: the groups a waiting ``aware`` leader now
+        starts (its patience ran out); nothing for the other policies."""
+        return self._schedule() if self.policy == "aware" and self._waiting else []
 
     def reopen(self) -> None:
         """Accept requests again from every worker after all closed and no group is
@@ -327,6 +363,8 @@ class GroupGenerator:
 
     def _schedule(self) -> list[Group]:
         started: list[Group] = []
+        if self.policy == "aware":
+            return self._schedule_aware()
         if self.policy == "smart":
             while self._waiting:
                 idle = [w for w in self._waiting if self._lock[w] is None]
@@ -363,6 +401,44 @@ class GroupGenerator:
             self._start(group)
             started.append(group)
         return started
+
+    def _schedule_aware(self) -> list[Group]:
+        """Every waiting leader, oldest first, gets the partners the placement rules give
+        among the idle workers not taken by an earlier leader, or waits."""
+        started: list[Group] = []
+        now = self._clock()
+        idle = [w for w in self._waiting if self._lock[w] is None]
+        idle += [w for w in sorted(self._closed) if self._lock[w] is None]
+        for leader in [w for w in idle if w in self._waiting]:
+            if leader not in idle:  # taken by an earlier leader's group
+                continue
+            others = [w for w in idle if w != leader]
+            partners = self.placement.choose(leader, others, self.group_size - 1)
+            if partners is None:
+                continue
+            home = self.placement.node_of[leader]
+            crossing = any(self.placement.node_of[p] != home for p in partners)
+            waited, mate = now - self._waiting[leader], self._mate_expected_in(leader, now)
+            if crossing and self.placement.worth_waiting(leader, waited, mate):
+                continue
+            members = tuple(sorted([leader, *partners]))
+            group = Group(self._next_gid, members, leader, now)
+            self._next_gid += 1
+            self._start(group)
+            started.append(group)
+            idle = [w for w in idle if w not in members]
+        return started
+
+    def _mate_expected_in(self, worker: int, now: float) -> float | None:
+        """Seconds until the first of ``worker``'s computing node mates is expected to
+        request (its last group's end plus its measured step); None if none is known."""
+        home = self.placement.node_of[worker]
+        expected = [
+            self._served_at[m] + self._step_s[m] - now
+            for m in range(self.n)
+            if m != worker and self.placement.node_of[m] == home and m in self._served_at and m in self._step_s
+        ]
+        return max(0.0, min(expected)) if expected else None
 
     def _start(self, group: Group) -> None:
         now = self._clock()

@@ -91,12 +91,13 @@ from .. import validation
 from ..errors import ArgumentError, CollectiveError
 from ..kernels import butterfly, halving_doubling, reduce_broadcast, ring
 from ..kernels.plans import Kernel
+from ..topology.layout import layout as node_layout
 from ..transport import gpu, p2p, threads, watchdog
 from ..transport.buffers import array_module, as_flat
 from ..transport.context import context
 from ..transport.ops import reduction
 from .group_comm import GroupComm
-from .group_generator import GroupGenerator, check_group_size, check_policy, static_group, static_groups, workers
+from .group_generator import Group, GroupGenerator, check_group_size, check_policy, static_group, static_groups, workers
 
 # Messages on the control communicator: (kind, argument) int64 pairs to GG,
 # (kind, group id, serves-you flag, size, members...) to the workers.
@@ -159,9 +160,10 @@ class PReduce:
         comm: the workers (default ``MPI.COMM_WORLD``).
         group_size: members per group, 1..comm size (default: pairs, or 1
             on a single rank).
-        policy: "random", "smart" or "static" (see
+        policy: "random", "smart", "aware" or "static" (see
             :mod:`collectives.partial.group_generator`).
         period: static only: iterations a partition is kept before it rotates.
+        cross_every: aware only: every how many groups a worker crosses nodes.
         seed: seed of the random draws / the static schedule (>= 0).
         algorithm: the all-reduce kernel run within a group, a name in
             :data:`GROUP_KERNELS`.
@@ -185,23 +187,30 @@ class PReduce:
         group_size: int | None = None,
         policy: str = "random",
         period: int = 1,
+        cross_every: int = 2,
         seed: int = 0,
         algorithm: str = "ring",
         service_rank: int = 0,
         trace: TraceSpec = None,
         validate: bool | None = None,
     ) -> None:
-        ctx = context(MPI.COMM_WORLD if comm is None else comm)
+        user = MPI.COMM_WORLD if comm is None else comm
+        ctx = context(user)
         self.rank, self.size = ctx.rank, ctx.size
         if group_size is None:
             group_size = min(2, self.size)
-        options = f"group_size={group_size} policy={policy} period={period} seed={seed} service_rank={service_rank}"
+        options = (
+            f"group_size={group_size} policy={policy} period={period} cross_every={cross_every} "
+            f"seed={seed} service_rank={service_rank}"
+        )
         problem = None
         try:
             self._flat = as_flat(buf)
             self._on_host = type(self._flat.data) is np.ndarray
             self._red = reduction("avg", self._flat.dtype, array_module(self._flat.data))
-            self._kernel = check_options(self.size, algorithm, policy, group_size, period, seed, service_rank)
+            self._kernel = check_options(
+                self.size, algorithm, policy, group_size, period, seed, service_rank, cross_every
+            )
         except ArgumentError as exc:
             problem = exc
         if validation.enabled(validate):
@@ -250,9 +259,16 @@ class PReduce:
             self._ctl = ctx.comm.Dup()
             self._inbox = np.zeros(4 + self.group_size, np.int64)
             self._outbox = np.zeros(2, np.int64)
+            nodes = node_layout(user).node_of if policy == "aware" else None  # collective on first use
             if self.rank == service_rank:
                 gg = GroupGenerator(
-                    self.size, self.group_size, policy, seed=seed, trace=self._trace.write if self._trace else None
+                    self.size,
+                    self.group_size,
+                    policy,
+                    seed=seed,
+                    nodes=nodes,
+                    cross_every=cross_every,
+                    trace=self._trace.write if self._trace else None,
                 )
                 self._service = _Service(self._ctl, gg, self._trace)
                 self._trace = None  # the service owns it now
@@ -411,7 +427,14 @@ class PReduce:
 
 
 def check_options(
-    size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int, service_rank: int
+    size: int,
+    algorithm: str,
+    policy: str,
+    group_size: int,
+    period: int,
+    seed: int,
+    service_rank: int,
+    cross_every: int = 2,
 ) -> Kernel:
     """Raise ArgumentError for a bad option, or for a policy whose group generator
     needs a thread level MPI does not provide; return the kernel of ``algorithm``."""
@@ -420,7 +443,7 @@ def check_options(
         raise ArgumentError(f"unknown algorithm {algorithm!r}; valid for groups: {', '.join(GROUP_KERNELS)}")
     check_policy(policy)
     check_group_size(group_size, size)
-    for name, value, low in (("period", period, 1), ("seed", seed, 0)):
+    for name, value, low in (("period", period, 1), ("seed", seed, 0), ("cross_every", cross_every, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
     if isinstance(service_rank, bool) or not isinstance(service_rank, int) or not 0 <= service_rank < size:
@@ -469,22 +492,15 @@ class _Service:
         backoff = p2p.Backoff()
         pausing: set[int] = set()  # workers that sent PAUSE, not CLOSE
         while True:
-            if not ctl.Iprobe(MPI.ANY_SOURCE, TO_GG, status):
-                backoff.sleep()
-                continue
-            backoff.reset()
-            ctl.Recv([msg, MPI.INT64_T], status.Get_source(), TO_GG)
-            kind, arg, worker = int(msg[0]), int(msg[1]), status.Get_source()
-            if kind == REQUEST:
-                started = gg.request(worker)
-            elif kind == DONE:
-                started = gg.done(worker, arg)
-            elif kind in (CLOSE, PAUSE):
-                started = gg.close(worker)
-                if kind == PAUSE:
-                    pausing.add(worker)
+            if ctl.Iprobe(MPI.ANY_SOURCE, TO_GG, status):
+                backoff.reset()
+                ctl.Recv([msg, MPI.INT64_T], status.Get_source(), TO_GG)
+                started = self._handle(int(msg[0]), int(msg[1]), status.Get_source(), pausing)
             else:
-                raise CollectiveError(f"group generator: unknown message kind {kind} from rank {worker}")
+                started = gg.tick()  # an aware leader that has waited long enough
+                if not started:
+                    backoff.sleep()
+                    continue
             for group in started:
                 for m in group.members:
                     self._send(m, NOTIFY, group.gid, m in group.served, group.members)
@@ -503,6 +519,18 @@ class _Service:
                 pausing.clear()
             self.sends = [s for s in self.sends if not s[0].Test()]
         MPI.Request.Waitall([r for r, _ in self.sends])
+
+    def _handle(self, kind: int, arg: int, worker: int, pausing: set[int]) -> list[Group]:
+        """Feed one worker's message to GG; the groups it started."""
+        if kind == REQUEST:
+            return self.gg.request(worker)
+        if kind == DONE:
+            return self.gg.done(worker, arg)
+        if kind in (CLOSE, PAUSE):
+            if kind == PAUSE:
+                pausing.add(worker)
+            return self.gg.close(worker)
+        raise CollectiveError(f"group generator: unknown message kind {kind} from rank {worker}")
 
     def _send(self, worker: int, kind: int, gid: int = 0, serves: bool = False, members: tuple[int, ...] = ()) -> None:
         """Start sending a message to ``worker``; it is completed later (GG never waits for a worker)."""
