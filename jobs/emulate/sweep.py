@@ -230,23 +230,40 @@ def run_cell(
 ) -> None:
     """One ``mpidl train`` across the nodes; its JSON, with the link bytes added, at ``path``
     (nothing to do if it exists)."""
+    argv = ["python", "-m", "mpidl", "train", *ALGORITHMS[algo], *model.args, *extra]
+    label = f"{rate:>8} {model.name:<8} {algo:<28}"
+    train_on_cluster(path, argv, ["-n", str(ranks)], label, timeout, {"rate": rate, "model": model.name}, env)
+
+
+def train_on_cluster(
+    path: Path,
+    argv: Sequence[str],
+    cluster_args: Sequence[str],
+    label: str,
+    timeout: float,
+    meta: dict[str, Any],
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run the ``mpidl train`` command ``argv`` with ``cluster.py run CLUSTER_ARGS``, ended after
+    ``timeout``; write its JSON, with ``meta``, the algorithm, the bytes the links carried and the
+    command under ``sweep``, at ``path`` (nothing to do if it exists). A failed run stops the
+    sweep (its output in ``path``.err)."""
     if path.exists():
-        return path
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
-    argv = ["python", "-m", "mpidl", "train", *ALGORITHMS[algo], *model.args, *extra]
-    argv += ["--no-progress", "--json", str(partial)]
+    argv = [*argv, "--no-progress", "--json", str(partial)]
     before, t0 = link_bytes(), time.monotonic()
-    print(f"sweep: {rate:>8} {model.name:<8} {algo:<28} ", end="", flush=True)
-    proc = on_cluster(["-n", str(ranks), "--", *argv], timeout, env)
+    print(f"sweep: {label} ", end="", flush=True)
+    proc = on_cluster([*cluster_args, "--", *argv], timeout, dict(os.environ) if env is None else env)
     wall, carried = time.monotonic() - t0, link_bytes() - before
     if proc.returncode != 0:
         print(f"failed ({proc.returncode})")
         (path.with_suffix(".err")).write_text(proc.stdout + proc.stderr)
         raise SystemExit(f"sweep: {shlex.join(proc.args)} failed; see {path.with_suffix('.err')}")
     run = json.loads(partial.read_text())
-    run["sweep"] = {"rate": rate, "model": model.name, "algorithm": algo, "link_bytes": carried, "wall_s": wall}
-    run["sweep"]["command"] = shlex.join(["jobs/emulate/cluster.py", "run", "-n", str(ranks), "--", *argv[:-2]])
+    run["sweep"] = {**meta, "algorithm": path.stem.split(".")[0], "link_bytes": carried, "wall_s": wall}
+    run["sweep"]["command"] = shlex.join(["jobs/emulate/cluster.py", "run", *cluster_args, "--", *argv[:-2]])
     path.write_text(json.dumps(run, indent=1))
     partial.unlink()
     last = run["epochs"][-1]
