@@ -6,7 +6,8 @@ process). Diagnostics go to stderr after ``mpidl: rank R:``, at the level
 ``MPIDL_LOG_LEVEL`` names. Exit status (:mod:`mpidl.runtime`): 2 for a usage
 error (on every rank alike), 4 when an uncaught exception on some rank
 aborted the whole job, 3 when a transfer blocked for 10 minutes did
-(:mod:`collectives.transport.watchdog`).
+(:mod:`collectives.transport.watchdog`); ``mpidl data fetch`` 1 when a file
+could not be fetched.
 """
 
 from __future__ import annotations

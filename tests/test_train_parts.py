@@ -362,8 +362,10 @@ def test_algorithm_options_go_to_the_algorithms_that_take_them() -> None:
     assert config_from_args(_args("--algorithm", "allreduce")).options == {}
     with pytest.raises(UsageError, match="--topology does not apply to --algorithm allreduce"):
         config_from_args(_args("--algorithm", "allreduce", "--topology", "ring"))
+    with pytest.raises(UsageError, match="--topology does not apply to --algorithm allreduce"):
+        config_from_args(_args("--topology", "ring"))  # the default algorithm
     with pytest.raises(UsageError, match="--collective does not apply to --algorithm dpsgd"):
-        config_from_args(_args("--collective", "ring"))
+        config_from_args(_args("--algorithm", "dpsgd", "--collective", "ring"))
     assert config_from_args(
         _args("--algorithm", "prague", "--policy", "random", "--group-size", "3", "--local-steps", "2")
     ).options == {"policy": "random", "group_size": 3, "local_steps": 2}
