@@ -108,7 +108,7 @@ def fetch(
     say: Callable[[str], None] = print,
 ) -> list[str]:
     """Make ``folder`` hold every file of ``sha256`` (name -> SHA-256) with that checksum,
-    downloading those it lacks from ``mirrors`` (URLs the names are appended to) as the
+    downloading those it lacks from ``mirrors`` (URLs of folders that hold the files) as the
     module docstring says; the files' paths. ``say`` reports each file.
 
     Raises:
@@ -128,7 +128,7 @@ def fetch(
             continue
         problems = []
         for mirror in mirrors:
-            url = mirror + name
+            url = mirror.rstrip("/") + "/" + name
             try:
                 size = download(url, path, digest, timeout)
             except (FetchError, OSError, http.client.HTTPException) as exc:

@@ -136,10 +136,11 @@ def test_an_interrupted_download_leaves_nothing(server: Server, tmp_path: Path, 
 
 
 def test_the_next_mirror_serves_what_the_first_cannot(server: Server, tmp_path: Path) -> None:
-    """A mirror that answers 404, one that serves other bytes, then a good one: each file comes
-    from the good one, and a damaged file already in the folder is replaced."""
+    """A mirror that answers 404, one that serves other bytes, then a good one (given without
+    its trailing slash): each file comes from the good one, and a damaged file already in the
+    folder is replaced."""
     (tmp_path / "train-labels-idx1-ubyte.gz").write_bytes(b"not the file")
-    mirrors = [server.url(mode) for mode in ("missing", "wrong", "good")]
+    mirrors = [server.url(mode) for mode in ("missing", "wrong")] + [server.url("good").rstrip("/")]
     lines: list[str] = []
     fetch.fetch(str(tmp_path), SHA256, mirrors, say=lines.append)
     assert contents(tmp_path) == FILES
