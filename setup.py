@@ -18,6 +18,8 @@ setup(
     license="BSD-3-Clause",
     python_requires=">=3.9",
     packages=find_packages(include=["mpidl", "mpidl.*", "collectives", "collectives.*", "algorithms", "algorithms.*"]),
+    # PEP 561: the packages' type hints reach the type checkers of the programs that use them.
+    package_data={name: ["py.typed"] for name in ("mpidl", "collectives", "algorithms")},
     install_requires=["mpi4py>=3.1", "numpy>=1.22", "tqdm>=4"],
     extras_require={
         # The MPI library itself, for machines without a system MPI (laptops, CI).

@@ -407,7 +407,7 @@ def main(args: argparse.Namespace) -> int:
     """Run ``mpidl bench`` with parsed ``args``; rank 0 prints and writes files."""
     from mpi4py import MPI
 
-    from .runtime import init
+    from .runtime import USAGE_EXIT_CODE, init
 
     comm = init()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -419,7 +419,7 @@ def main(args: argparse.Namespace) -> int:
                 f"mpidl bench: unknown algorithm(s) {unknown}; valid: {', '.join(collectives.ALGORITHMS)}",
                 file=sys.stderr,
             )
-        return 2
+        return USAGE_EXIT_CODE
     results = run(
         sizes,
         names,

@@ -8,15 +8,21 @@ as float32, labels int64:
   handwritten digits, 10 classes; no download). Train/test split: a
   stratified 80/20 split (``train_test_split``) with the fixed seed
   :data:`SPLIT_SEED`, the same whatever the training seed.
-* ``fashion-mnist``: Zalando's Fashion-MNIST (70,000 28x28 images, 10
-  classes) from its four IDX files, gzipped or raw
-  (``train-images-idx3-ubyte[.gz]``, ``train-labels-idx1-ubyte[.gz]``,
-  ``t10k-images-idx3-ubyte[.gz]``, ``t10k-labels-idx1-ubyte[.gz]``) in
-  ``--data-dir``, by default :data:`FASHION_MNIST_DIR` (where the Debian
-  package ``dataset-fashion-mnist`` puts them). Its own 60,000/10,000 split.
-  A file missing, truncated or corrupt, counts that disagree or labels
-  outside 0..9 are a :class:`DatasetError` naming the file, on every rank
-  (:func:`load`).
+* ``fashion-mnist``: Zalando's Fashion-MNIST (70,000 28x28 images of
+  clothes, 10 classes) and ``mnist``: LeCun, Cortes and Burges' MNIST
+  (70,000 28x28 images of handwritten digits, 10 classes), each from its
+  four IDX files, gzipped or raw (``train-images-idx3-ubyte[.gz]``,
+  ``train-labels-idx1-ubyte[.gz]``, ``t10k-images-idx3-ubyte[.gz]``,
+  ``t10k-labels-idx1-ubyte[.gz]``), with its own 60,000/10,000 split
+  (:func:`load_idx`). They are read from ``--data-dir``, or else from the
+  first of :func:`default_dirs` that holds them: where a distribution's
+  package installs them (Debian's ``dataset-fashion-mnist``:
+  :data:`FASHION_MNIST_DIR`), then where ``mpidl data fetch`` puts them
+  (:func:`user_dir`; :mod:`mpidl.fetch` downloads them and checks their
+  SHA-256, :data:`IDX_DATASETS`). Files not found are a
+  :class:`DatasetError` that says how to get them; a file truncated or
+  corrupt, counts that disagree or labels outside 0..9 one naming the file,
+  on every rank (:func:`load`).
 
 Subsets (``--train-samples``, ``--test-samples``; :meth:`Dataset.subset`):
 the first N samples of each split in a fixed order, the same for every run,
@@ -70,8 +76,67 @@ SPLIT_SEED = 0
 TEST_FRACTION = 0.2
 #: Where the Debian package ``dataset-fashion-mnist`` installs the IDX files.
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
-#: Fashion-MNIST's classes: labels are 0..9.
-FASHION_MNIST_CLASSES = 10
+#: The classes of the IDX datasets: labels are 0..9.
+IDX_CLASSES = 10
+#: The four files of an IDX dataset, without their ``.gz``.
+IDX_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+@dataclass(frozen=True)
+class IdxSource:
+    """Where an IDX dataset's files come from.
+
+    Attributes:
+        title: the dataset's name in messages.
+        sha256: the SHA-256 of each official gzipped file, by file name.
+        mirrors: URLs (ending in "/") that serve the files, in the order to try them.
+        torchvision: the class of ``torchvision.datasets`` that downloads the same files
+            (into ``ROOT/<class>/raw``).
+        package, package_dir: a Debian package that installs the files, and where (None: none).
+    """
+
+    title: str
+    sha256: dict[str, str]
+    mirrors: tuple[str, ...]
+    torchvision: str
+    package: str | None = None
+    package_dir: str | None = None
+
+
+#: The IDX datasets, their official files' SHA-256 (as torchvision lists them:
+#: ``torchvision/prototype/datasets/_builtin/mnist.py``) and where to download them.
+IDX_DATASETS = {
+    "fashion-mnist": IdxSource(
+        "Fashion-MNIST",
+        {
+            "train-images-idx3-ubyte.gz": "3aede38d61863908ad78613f6a32ed271626dd12800ba2636569512369268a84",
+            "train-labels-idx1-ubyte.gz": "a04f17134ac03560a47e3764e11b92fc97de4d1bfaf8ba1a3aa29af54cc90845",
+            "t10k-images-idx3-ubyte.gz": "346e55b948d973a97e58d2351dde16a484bd415d4595297633bb08f03db6a073",
+            "t10k-labels-idx1-ubyte.gz": "67da17c76eaffca5446c3361aaab5c3cd6d1c2608764d35dfb1850b086bf8dd5",
+        },
+        (
+            "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",  # Zalando's, as its README gives it
+            "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/",
+        ),
+        "FashionMNIST",
+        package="dataset-fashion-mnist",
+        package_dir=FASHION_MNIST_DIR,
+    ),
+    "mnist": IdxSource(
+        "MNIST",
+        {
+            "train-images-idx3-ubyte.gz": "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
+            "train-labels-idx1-ubyte.gz": "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
+            "t10k-images-idx3-ubyte.gz": "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
+            "t10k-labels-idx1-ubyte.gz": "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
+        },
+        (
+            "https://ossci-datasets.s3.amazonaws.com/mnist/",  # PyTorch's mirror
+            "https://storage.googleapis.com/cvdf-datasets/mnist/",  # TensorFlow's
+        ),
+        "MNIST",
+    ),
+}
 
 # Keys that keep the generators of the shard permutation and of each epoch's order apart.
 _SHARD_STREAM, _EPOCH_STREAM = 0, 1
@@ -152,18 +217,54 @@ def load_digits() -> Dataset:
     return Dataset("digits", x_tr, y_tr, x_te, y_te, classes=10, pixel_max=16.0, shape=(1, 8, 8))
 
 
-def load_fashion_mnist(data_dir: str | None = None) -> Dataset:
-    """Fashion-MNIST from its IDX files in ``data_dir`` (default :data:`FASHION_MNIST_DIR`).
+def user_dir(name: str) -> str:
+    """Where ``mpidl data fetch`` puts dataset ``name`` by default:
+    ``$XDG_DATA_HOME/mpidl/NAME`` (``~/.local/share/mpidl/NAME``)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "mpidl", name)
+
+
+def default_dirs(name: str) -> list[str]:
+    """Where :func:`load_idx` looks for IDX dataset ``name`` without a ``data_dir``, in order:
+    its package's folder (if it has one), then :func:`user_dir`."""
+    source = IDX_DATASETS[name]
+    return [*([source.package_dir] if source.package_dir else []), user_dir(name)]
+
+
+def how_to_get(name: str, data_dir: str | None = None) -> str:
+    """The ways to get IDX dataset ``name``'s files, for an error message."""
+    source = IDX_DATASETS[name]
+    fetch = f"mpidl data fetch --dataset {name}" + (f" --data-dir {data_dir}" if data_dir else "")
+    ways = [
+        f"'{fetch}' downloads them and checks their SHA-256 (into {data_dir or user_dir(name)})",
+        f"--data-dir DIR reads them from a folder of yours (torchvision's {source.torchvision}(ROOT, "
+        f"download=True) puts them in ROOT/{source.torchvision}/raw)",
+    ]
+    if source.package:
+        ways.insert(0, f"Debian's package {source.package} installs them in {source.package_dir}")
+    count = {2: "two", 3: "three"}[len(ways)]
+    return f"get {source.title}'s four IDX files one of {count} ways: " + "; ".join(ways)
+
+
+def load_idx(name: str, data_dir: str | None = None) -> Dataset:
+    """IDX dataset ``name`` (of :data:`IDX_DATASETS`) from its files in ``data_dir``, or else in
+    the first of :func:`default_dirs` that holds any of them.
 
     Raises:
-        DatasetError: a file missing, unreadable, truncated or corrupt, images that
-            are not 2-D or differ in shape between the splits, labels that are not
-            integers in 0..9, or counts of images and labels that differ (naming the file).
+        DatasetError: files not found (saying how to get them: :func:`how_to_get`), a file
+            unreadable, truncated or corrupt, images that are not 2-D or differ in shape
+            between the splits, labels that are not integers in 0..9, or counts of images
+            and labels that differ (naming the file).
     """
-    folder = data_dir or FASHION_MNIST_DIR
+    if data_dir:
+        folders = [data_dir]
+    else:
+        folders = default_dirs(name)
+        folders = [f for f in folders if any(_present(f, stem) for stem in IDX_STEMS)][:1] or folders
     splits = []
     for split in ("train", "t10k"):
-        images, labels = _find(folder, f"{split}-images-idx3-ubyte"), _find(folder, f"{split}-labels-idx1-ubyte")
+        images = _find(name, folders, data_dir, f"{split}-images-idx3-ubyte")
+        labels = _find(name, folders, data_dir, f"{split}-labels-idx1-ubyte")
         x, y = read_idx(images), read_idx(labels)
         if x.ndim != 3:
             raise DatasetError(f"{images}: images of shape {x.shape}, not (count, rows, columns)")
@@ -171,32 +272,39 @@ def load_fashion_mnist(data_dir: str | None = None) -> Dataset:
             raise DatasetError(f"{labels}: labels of shape {y.shape} and type {y.dtype}, not a vector of integers")
         if len(x) != len(y):
             raise DatasetError(f"{images} holds {len(x)} images, {labels} {len(y)} labels")
-        bad = np.flatnonzero((y < 0) | (y >= FASHION_MNIST_CLASSES))
+        bad = np.flatnonzero((y < 0) | (y >= IDX_CLASSES))
         if bad.size:
             raise DatasetError(
-                f"{labels}: {bad.size} label(s) outside the classes 0..{FASHION_MNIST_CLASSES - 1} "
+                f"{labels}: {bad.size} label(s) outside the classes 0..{IDX_CLASSES - 1} "
                 f"(first: {y[bad[0]]} at index {bad[0]})"
             )
         splits.append((x, y))
     (x_tr, y_tr), (x_te, y_te) = splits
     if x_te.shape[1:] != x_tr.shape[1:]:
-        raise DatasetError(f"Fashion-MNIST in {folder}: test images {x_te.shape[1:]}, training images {x_tr.shape[1:]}")
+        title = IDX_DATASETS[name].title
+        raise DatasetError(f"{title} in {folders[0]}: test images {x_te.shape[1:]}, training images {x_tr.shape[1:]}")
     return Dataset(
-        "fashion-mnist",
+        name,
         x_tr.reshape(len(x_tr), -1),
         y_tr.astype(np.int64),
         x_te.reshape(len(x_te), -1),
         y_te.astype(np.int64),
-        classes=FASHION_MNIST_CLASSES,
+        classes=IDX_CLASSES,
         pixel_max=255.0,
         shape=(1, int(x_tr.shape[1]), int(x_tr.shape[2])),
     )
+
+
+def load_fashion_mnist(data_dir: str | None = None) -> Dataset:
+    """Fashion-MNIST: :func:`load_idx` of ``"fashion-mnist"``."""
+    return load_idx("fashion-mnist", data_dir)
 
 
 #: Loaders by name; each takes the data directory (None: its default).
 DATASETS: dict[str, Callable[[str | None], Dataset]] = {
     "digits": lambda data_dir: load_digits(),
     "fashion-mnist": load_fashion_mnist,
+    "mnist": lambda data_dir: load_idx("mnist", data_dir),
 }
 
 # IDX type codes (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT"); data is big-endian.
@@ -236,16 +344,22 @@ def read_idx(path: str) -> np.ndarray:
     return np.frombuffer(blob, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
 
 
-def _find(folder: str, stem: str) -> str:
-    """The path of ``stem`` or ``stem.gz`` in ``folder``."""
+def _present(folder: str, stem: str) -> str | None:
+    """The path of ``stem.gz`` or ``stem`` in ``folder``, if either is a file."""
     for name in (stem + ".gz", stem):
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             return path
-    raise DatasetError(
-        f"{stem}[.gz] not found in {folder} (the Debian package dataset-fashion-mnist installs "
-        f"the files in {FASHION_MNIST_DIR}; --data-dir names another folder)"
-    )
+    return None
+
+
+def _find(name: str, folders: list[str], data_dir: str | None, stem: str) -> str:
+    """The path of ``stem`` or ``stem.gz`` in the first of ``folders`` that has it."""
+    for folder in folders:
+        path = _present(folder, stem)
+        if path:
+            return path
+    raise DatasetError(f"{stem}[.gz] not found in {' or '.join(folders)}; {how_to_get(name, data_dir)}")
 
 
 def load(name: str, data_dir: str | None = None, comm: MPI.Comm | None = None) -> Dataset:

@@ -1,30 +1,61 @@
-"""MPI start-up for mpidl programs: thread level, fail-fast, stall limits."""
+"""MPI start-up for mpidl programs: thread level, fail-fast, stall limits, logging, exit codes.
+
+Exit codes of the ``mpidl`` commands and of jobs that call :func:`init`
+(``docs/failures.rst`` says what a batch script should do with each):
+
+* :data:`USAGE_EXIT_CODE` (2): the command or its set-up is wrong (a bad
+  option, a missing data file, a checkpoint of another run), on every rank
+  alike; running it again unchanged fails again.
+* :data:`STALL_EXIT_CODE` (3): a wait blocked past ``MPIDL_STALL_ABORT``
+  (:mod:`collectives.transport.watchdog`).
+* :data:`FAILED_EXIT_CODE` (4): an uncaught exception on some rank, or in a
+  service thread (:func:`collectives.transport.threads.fail`).
+* :data:`INTERRUPT_EXIT_CODE` (130): Ctrl-C on some rank.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from mpi4py import MPI
 
-from collectives.transport import threads, watchdog
-from collectives.transport.threads import EXCEPTION_EXIT_CODE
+from collectives.transport import logs, threads, watchdog
+from collectives.transport.threads import EXCEPTION_EXIT_CODE, INTERRUPT_EXIT_CODE
+
+log = logging.getLogger("mpidl")
+
+#: A usage error: a bad option or set-up, reported on every rank alike (argparse's code too).
+USAGE_EXIT_CODE = 2
+#: A stall: a wait blocked past the stall limit.
+STALL_EXIT_CODE = watchdog.ABORT_EXIT_CODE
+#: A failed rank: an uncaught exception on some rank or in a service thread.
+FAILED_EXIT_CODE = EXCEPTION_EXIT_CODE
 
 
 def init(
-    abort_on_exception: bool = True, stall_warn: float | None = None, stall_abort: float | None = None
+    abort_on_exception: bool = True,
+    stall_warn: float | None = None,
+    stall_abort: float | None = None,
+    log_handler: bool = True,
 ) -> MPI.Intracomm:
     """Initialise MPI for mpidl (idempotent) and return ``MPI.COMM_WORLD``.
 
     Args:
         abort_on_exception: install a ``sys.excepthook`` that prints the
             exception with the rank and calls ``MPI_Abort``
-            (:func:`collectives.transport.threads.fail`), so that one rank
-            failing ends the whole job at once instead of leaving the others
-            blocked in their next collective. (mpidl's own service threads
-            end the job this way in any case.)
+            (:func:`collectives.transport.threads.fail`, exit code
+            :data:`FAILED_EXIT_CODE`), so that one rank failing ends the whole
+            job at once instead of leaving the others blocked in their next
+            collective. (mpidl's own service threads end the job this way in
+            any case.)
         stall_warn, stall_abort: limits of the stall inspector in seconds
             (:mod:`collectives.transport.watchdog`); ``MPIDL_STALL_WARN`` and
             ``MPIDL_STALL_ABORT`` in the environment take precedence.
+        log_handler: give mpidl's loggers a handler that writes their records
+            to stderr after ``mpidl: rank R:``, at the level ``MPIDL_LOG_LEVEL``
+            names (default WARNING; :mod:`collectives.transport.logs`); False
+            leaves logging to the program.
 
     mpidl needs ``MPI_THREAD_MULTIPLE`` (asynchronous algorithms communicate
     from a service thread), which is mpi4py's default; if the program
@@ -34,12 +65,13 @@ def init(
     """
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    if log_handler:
+        logs.install()
     if not threads.multiple():
-        print(
-            f"mpidl: MPI provides thread level {thread_level()}; "
-            "the parts of mpidl that communicate from service threads need 'multiple' and refuse to start "
-            "(set mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI)",
-            file=sys.stderr,
+        log.warning(
+            "MPI provides thread level %s; the parts of mpidl that communicate from service threads need "
+            "'multiple' and refuse to start (set mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI)",
+            thread_level(),
         )
     if abort_on_exception:
         sys.excepthook = threads.fail
@@ -52,4 +84,12 @@ def thread_level() -> str:
     return threads.THREAD_LEVELS[MPI.Query_thread()].removeprefix("MPI_THREAD_").lower()
 
 
-__all__ = ["EXCEPTION_EXIT_CODE", "init", "thread_level"]
+__all__ = [
+    "EXCEPTION_EXIT_CODE",
+    "FAILED_EXIT_CODE",
+    "INTERRUPT_EXIT_CODE",
+    "STALL_EXIT_CODE",
+    "USAGE_EXIT_CODE",
+    "init",
+    "thread_level",
+]

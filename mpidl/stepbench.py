@@ -342,7 +342,7 @@ def table(results: Sequence[Result]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``mpidl step-bench`` with parsed ``args``; rank 0 prints and writes the JSON."""
-    from .runtime import init
+    from .runtime import USAGE_EXIT_CODE, init
 
     comm = init()
     try:
@@ -350,7 +350,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         if comm.Get_rank() == 0:
             print(f"mpidl step-bench: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT_CODE
     if comm.Get_rank() == 0:
         buckets = meta.get("buckets")
         plan = f", {len(buckets)} buckets (largest {max(buckets) / 2**20:.1f} MiB)" if buckets else ""

@@ -103,12 +103,12 @@ def _parser(kind: Callable[[str], T], accept: Callable[[T], bool], wanted: str) 
 _positive_int = _parser(int, lambda v: v > 0, "a positive int")
 _nonnegative_int = _parser(int, lambda v: v >= 0, "an integer >= 0")
 _nonnegative_float = _parser(float, lambda v: v >= 0, "a number >= 0")
-_on_off = _parser({"on": True, "off": False}.get, lambda v: v is not None, "on or off")
 
 
 @dataclass(frozen=True)
 class AlgorithmOption:
-    """A command-line option handed to the algorithms whose constructor takes ``keyword``."""
+    """A command-line option handed to the algorithms whose constructor takes ``keyword``
+    (``switch``: a boolean, ``--flag`` or ``--no-flag``)."""
 
     flag: str
     keyword: str
@@ -116,6 +116,7 @@ class AlgorithmOption:
     choices: Sequence[str] | None = None
     type: Callable[[str], Any] = str
     metavar: str | None = None
+    switch: bool = False
 
     @property
     def dest(self) -> str:
@@ -179,9 +180,9 @@ ALGORITHM_OPTIONS = (
     AlgorithmOption(
         "--overlap",
         "overlap",
-        "on: communicate during forward and backward; off: after them (default: on where every rank "
-        "has a core to spare)",
-        type=_on_off,
+        "communicate during forward and backward (--no-overlap: after them; default: overlap where every "
+        "rank has a core to spare)",
+        switch=True,
     ),
     AlgorithmOption(
         "--bucket-mb",
@@ -202,15 +203,15 @@ ALGORITHM_OPTIONS = (
     AlgorithmOption(
         "--error-feedback",
         "error_feedback",
-        "carry what compression dropped into the next step (default: on for sign, topk and powersgd)",
-        type=_on_off,
+        "carry what compression dropped into the next step (default: for sign, topk and powersgd)",
+        switch=True,
     ),
     AlgorithmOption(
         "--local-momentum",
         "local_momentum",
-        "apply the optimizer's momentum on each worker before compressing (default: on for sign and topk with "
+        "apply the optimizer's momentum on each worker before compressing (default: for sign and topk with "
         "error feedback)",
-        type=_on_off,
+        switch=True,
     ),
     AlgorithmOption(
         "--compression-start",
@@ -237,7 +238,7 @@ _ALGORITHM_ARRAY = "algorithm."
 class TrainConfig:
     """What to train, and how (the ``mpidl train`` options without the output files)."""
 
-    algorithm: str = "dpsgd"
+    algorithm: str = "allreduce"  # the synchronous baseline, as Horovod and DDP train (docs/training.rst)
     options: dict[str, Any] = field(default_factory=dict)
     dataset: str = "digits"
     data_dir: str | None = None
@@ -299,21 +300,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"Horovod's DistributedOptimizer over MPI, where installed; default {defaults.algorithm})",
     )
     for opt in ALGORITHM_OPTIONS:
-        g.add_argument(
-            opt.flag,
-            default=None,
-            choices=opt.choices,
-            type=opt.type,
-            metavar=opt.metavar,
-            help=f"{opt.help}; for {', '.join(opt.applies_to())}",
+        how: dict[str, Any] = (
+            {"action": argparse.BooleanOptionalAction}
+            if opt.switch
+            else {"choices": opt.choices, "type": opt.type, "metavar": opt.metavar}
         )
+        g.add_argument(opt.flag, default=None, help=f"{opt.help}; for {', '.join(opt.applies_to())}", **how)
     g = p.add_argument_group("data and model")
     g.add_argument(
         "--dataset",
         default=defaults.dataset,
         choices=list(data.DATASETS),
-        help="digits: scikit-learn's bundled digits; fashion-mnist: IDX files from --data-dir "
-        f"(default {data.FASHION_MNIST_DIR})",
+        help="digits: scikit-learn's bundled digits; fashion-mnist, mnist: IDX files from --data-dir (default: "
+        f"Debian's {data.FASHION_MNIST_DIR}, or where 'mpidl data fetch' puts them, {data.user_dir('DATASET')})",
     )
     g.add_argument("--data-dir", metavar="DIR", help="folder of the dataset's files")
     g.add_argument(
@@ -879,7 +878,7 @@ def write_json(result: TrainResult, path: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``mpidl train`` with parsed ``args``; rank 0 prints and writes the files."""
-    from .runtime import init
+    from .runtime import USAGE_EXIT_CODE, init
 
     comm = init()
     try:
@@ -890,7 +889,7 @@ def main(args: argparse.Namespace) -> int:
     except AGREED_ERRORS as exc:
         if comm.Get_rank() == 0:
             print(f"mpidl train: error: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT_CODE
     if comm.Get_rank() == 0:
         if args.json:
             write_json(result, args.json)

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import pytest
+from mpi4py import MPI
 from mpitest import mpiexec, on_rank0_quietly
 
 import collectives
+from mpidl import __version__, cli, info
 
 pytestmark = pytest.mark.mpi
 
@@ -20,6 +28,67 @@ def test_info_reports_ranks_and_layout() -> None:
     assert report["ranks"] == "2"
     assert report["thread level"] == "multiple"
     assert report["MPI library"]
+
+
+def test_info_json_reports_the_optional_packages_and_gpus() -> None:
+    """``mpidl info --json``: one JSON object, keyed as the text report; torch's version where
+    torch is installed (null elsewhere), the GPUs and what the MPI library says of GPU memory."""
+    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "info", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert list(report) == list(info.LABELS)
+    assert report["mpidl"] == __version__ and report["ranks"] == 2 and report["ranks_per_node"] == [2]
+    if importlib.util.find_spec("torch"):
+        import torch
+
+        assert report["torch"] == torch.__version__ and report["cuda"] == torch.version.cuda
+        assert report["gpus_per_node"] == [torch.cuda.device_count()]
+    else:
+        assert report["torch"] is None
+    assert report["mpi_gpu_aware"] in (True, False, None)
+    assert report["gpu_transport"].split()[0] in ("none", "staged", "direct")
+
+
+def test_version() -> None:
+    """``mpidl --version``, printed once however many ranks run it."""
+    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "--version"])
+    assert proc.returncode == 0 and proc.stdout == f"mpidl {__version__}\n", proc.stdout
+
+
+def test_switches_take_no_and_the_old_on_off_for_now(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--overlap``/``--no-overlap`` style switches; mpidl 0.1's ``--overlap on|off`` (and
+    ``=on|off``) means the same, with a deprecation message from rank 0."""
+    parser = cli.build_parser()
+    new = parser.parse_args(["train", "--overlap", "--no-error-feedback", "--epochs", "3"])
+    old = parser.parse_args(["train", "--overlap", "on", "--error-feedback=off", "--epochs", "3"])
+    assert vars(new) == vars(old) and (new.overlap, new.error_feedback, new.local_momentum) == (True, False, None)
+    err = capsys.readouterr().err
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert "mpidl train: warning: '--overlap on' is deprecated and goes in the next release; use --overlap" in err
+        assert "'--error-feedback off' is deprecated and goes in the next release; use --no-error-feedback" in err
+    else:
+        assert err == ""
+    assert parser.parse_args(["train", "--no-local-momentum"]).local_momentum is False
+    assert parser.parse_args(["train"]).algorithm == "allreduce"
+
+
+def test_the_wheel_carries_the_type_hints(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """PEP 561: each package's ``py.typed`` is in the wheel (built from a copy of the sources)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+
+    def build() -> list[str]:
+        root = Path(__file__).resolve().parent.parent
+        for name in ("setup.py", "README.rst"):
+            shutil.copy(root / name, src)
+        for package in ("mpidl", "collectives", "algorithms"):
+            shutil.copytree(root / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), "."]
+        subprocess.run(cmd, cwd=src, check=True, capture_output=True, timeout=240)
+        (wheel,) = out.glob("mpidl-*.whl")
+        return zipfile.ZipFile(wheel).namelist()
+
+    names = on_rank0_quietly(build)
+    assert {"mpidl/py.typed", "collectives/py.typed", "algorithms/py.typed"} <= set(names)
 
 
 def test_info_sees_emulated_nodes() -> None:

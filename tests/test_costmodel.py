@@ -346,7 +346,7 @@ def test_calibration_waits_are_watched(tmp_path_factory) -> None:
         (0, r"the cost model's calibration \(the cost-model file\)"),
         (1, r"the cost model's calibration \(Barrier\)"),
     ):
-        waited = rf"rank {1 - late} \(MainThread\) has waited \d+ s in {what} for rank\(s\) {late} "
+        waited = rf"rank {1 - late}: MainThread has waited \d+ s in {what} for rank\(s\) {late} "
         assert re.search(waited, run.stderr), run.stderr[-3000:]
 
 

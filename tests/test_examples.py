@@ -75,6 +75,26 @@ def test_the_example_runs_lsgd_groups_and_batchnorm(fashion: str) -> None:
     assert len(accuracies(stdout)) == 2, stdout
 
 
+@pytest.mark.mpi
+@needs_torch
+def test_without_the_data_the_example_says_how_to_get_it(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No IDX files in ``--data-dir``: the error names the folder and the three ways to get
+    Fashion-MNIST (Debian's package, ``mpidl data fetch`` into that folder, ``--data-dir``)."""
+    empty = on_rank0_quietly(lambda: str(tmp_path_factory.mktemp("empty")))
+    rc, _, stderr = example(2, "--data-dir", empty)
+    assert rc != 0, stderr
+    assert (
+        f"train-images-idx3-ubyte[.gz] not found in {empty}; get Fashion-MNIST's four IDX files one of three ways: "
+        in stderr
+    )
+    ways = [
+        "package dataset-fashion-mnist",
+        f"'mpidl data fetch --dataset fashion-mnist --data-dir {empty}'",
+        "--data-dir DIR",
+    ]
+    assert all(way in stderr for way in ways), stderr
+
+
 def readme_diff() -> list[str]:
     """The lines of the diff block in README.rst's "Your own PyTorch script"."""
     text = (ROOT / "README.rst").read_text()
@@ -91,7 +111,7 @@ def readme_diff() -> list[str]:
 def test_the_readme_shows_the_lines_the_example_changed() -> None:
     """Every "+" line of the README's diff is a line of the example marked ``# mpidl`` (or a
     line moved in under one), every marked line is shown, no "-" line is left in the
-    example, and the context lines are the example's; nine lines changed."""
+    example, and the context lines are the example's; twelve lines changed."""
     source = [line.split(MARK)[0].rstrip() for line in EXAMPLE.read_text().splitlines()]
     marked = [line.split(MARK)[0].rstrip() for line in EXAMPLE.read_text().splitlines() if line.endswith(MARK)]
     diff = readme_diff()
@@ -104,4 +124,4 @@ def test_the_readme_shows_the_lines_the_example_changed() -> None:
     assert [line for line in added if line in marked] == marked
     moved = {line.strip() for line in added if line not in marked}  # the same code, indented anew
     assert moved <= {line.strip() for line in removed}
-    assert len(marked) == 9
+    assert len(marked) == 12

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from mpitest import mpiexec, on_rank0_quietly
 
-from collectives.transport.watchdog import ABORT_EXIT_CODE
-from mpidl.runtime import EXCEPTION_EXIT_CODE
+from mpidl.runtime import FAILED_EXIT_CODE, STALL_EXIT_CODE, USAGE_EXIT_CODE
 
 pytestmark = pytest.mark.mpi
 
@@ -30,7 +29,7 @@ ABORTED = f"aborting the job (stall limit MPIDL_STALL_ABORT={STALL_ABORT} s)"
 #: A stall report: rank, seconds waited, operation, peers, and how it ends (not
 #: anchored to lines: the launcher may put two ranks' lines on one).
 REPORT = re.compile(
-    r"mpidl: rank (\d+) \(MainThread\) has waited (\d+) s in (.+?) "
+    r"mpidl: rank (\d+): MainThread has waited (\d+) s in (.+?) "
     rf"for rank\(s\) ([\d, ]+) of MPI_COMM_WORLD; ({re.escape(WARNED)}|{re.escape(ABORTED)})"
 )
 
@@ -54,7 +53,7 @@ def run(
 def test_stalled_collective_is_reported_then_aborts_the_job() -> None:
     proc, after = run(3, "stall", env=STALL_ENV)
     err = proc.stderr
-    assert proc.returncode == ABORT_EXIT_CODE, err[-3000:]
+    assert proc.returncode == STALL_EXIT_CODE, err[-3000:]
     assert after < STALL_ABORT + SLACK, after
     reports = REPORT.findall(err)
     assert reports, err[-3000:]
@@ -71,7 +70,7 @@ def test_stalled_collective_is_reported_then_aborts_the_job() -> None:
 def test_stalled_preduce_names_the_lock_holders() -> None:
     proc, after = run(3, "preduce", env=STALL_ENV)
     err = proc.stderr
-    assert proc.returncode == ABORT_EXIT_CODE, err[-3000:]
+    assert proc.returncode == STALL_EXIT_CODE, err[-3000:]
     assert after < STALL_ABORT + SLACK, after
     # Rank 2 stalls: its partner waits for it in their group, and the generator
     # says which group (one with worker 2) holds the lock a queued request needs.
@@ -79,7 +78,7 @@ def test_stalled_preduce_names_the_lock_holders() -> None:
         -3000:
     ]
     assert re.search(
-        r"group generator: the request of worker \d is queued as g\d+ .* locks \[[01,]+\]; "
+        r"mpidl: rank 0: group generator: the request of worker \d is queued as g\d+ .* locks \[[01,]+\]; "
         r"w\d held by g\d+ \{[w\d,]*w2[w\d,]*\}",
         err,
     ), err[-3000:]
@@ -88,14 +87,31 @@ def test_stalled_preduce_names_the_lock_holders() -> None:
 
 def test_exception_on_one_rank_ends_the_job() -> None:
     proc, after = run(3, "raise")
-    assert proc.returncode == EXCEPTION_EXIT_CODE, proc.stderr[-3000:]
+    assert proc.returncode == FAILED_EXIT_CODE, proc.stderr[-3000:]
     assert after < SLACK, after
     assert "mpidl: rank 1 failed; aborting the job" in proc.stderr, proc.stderr[-3000:]
     assert "RuntimeError: injected failure on rank 1" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--resume"], "mpidl train: error: --resume needs --checkpoint DIR"),
+        (["train", "--epochs", "0"], "argument --epochs: expected a positive int, got '0'"),
+    ],
+)
+def test_a_usage_error_has_its_own_exit_code(argv: list[str], message: str) -> None:
+    """A bad option (found by the command on every rank, or by the argument parser) ends the
+    job with the usage error's code, which a batch script tells from a failed rank's and a
+    stall's: running it again unchanged would fail again."""
+    assert len({USAGE_EXIT_CODE, FAILED_EXIT_CODE, STALL_EXIT_CODE}) == 3
+    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", *argv], timeout=60)
+    assert proc.returncode == USAGE_EXIT_CODE and proc.stderr.count(message) == 1, proc.stderr[-3000:]
+    assert "aborting the job" not in proc.stderr
+
+
 #: A stall report without an abort limit: rank, operation, peers (not anchored to lines, as REPORT).
-LATE = re.compile(r"mpidl: rank (\d+) \(MainThread\) has waited \d+ s in (.+?) for rank\(s\) ([\d, ]+) of MPI_COMM")
+LATE = re.compile(r"mpidl: rank (\d+): MainThread has waited \d+ s in (.+?) for rank\(s\) ([\d, ]+) of MPI_COMM")
 
 
 @pytest.mark.parametrize(
@@ -118,7 +134,9 @@ def test_a_rank_late_into_an_operation_is_reported(operation: str, reported: str
     if operation in ("settle", "close"):
         assert reports == {(0, "0"), (2, "0")}, err[-3000:]
         assert re.search(
-            r"mpidl: group generator: workers \{w0,w2\} called settle\(\) or close\(\); waiting \d+ s for \{w1\}", err
+            r"mpidl: rank 0: group generator: workers \{w0,w2\} called settle\(\) or close\(\); "
+            r"waiting \d+ s for \{w1\}",
+            err,
         ), err[-3000:]
     else:
         assert reports == {(0, "1, 2"), (2, "0, 1")}, err[-3000:]
@@ -130,7 +148,7 @@ def test_exception_in_a_service_thread_ends_the_job(kind: str, rank: int) -> Non
     code, at once: no rank waits for the thread that died."""
     proc, after = run(2, "thread", kind, timeout=60)
     err = proc.stderr
-    assert proc.returncode == EXCEPTION_EXIT_CODE, err[-3000:]
+    assert proc.returncode == FAILED_EXIT_CODE, err[-3000:]
     assert after < SLACK, after
     assert re.search(rf"mpidl: rank {rank} \(thread [\w-]+\) failed; aborting the job:", err), err[-3000:]
     assert f"RuntimeError: injected failure in the {kind} thread" in err, err[-3000:]
@@ -145,7 +163,7 @@ def test_exception_in_training_is_printed_first(algorithm: str) -> None:
     options = ["--algorithm", algorithm, "--backend", "numpy", "--hidden", "16", "--no-progress"]
     proc, after = run(2, "train", *options, env={"FAILURE_RAISE_STEP": "5"}, timeout=60)
     err = proc.stderr
-    assert proc.returncode == EXCEPTION_EXIT_CODE, err[-3000:]
+    assert proc.returncode == FAILED_EXIT_CODE, err[-3000:]
     assert after < SLACK, after
     assert err.startswith("mpidl: rank 0 failed; aborting the job:", err.find("mpidl: ")), err[-3000:]
     assert "RuntimeError: injected failure on rank 0" in err, err[-3000:]
@@ -156,7 +174,7 @@ def test_exception_inside_an_algorithms_with_block_is_printed_first(algorithm: s
     """The algorithm's ``__exit__`` does not close it (collectively) after rank 1 raised."""
     proc, after = run(2, "raise-with", algorithm, timeout=60)
     err = proc.stderr
-    assert proc.returncode == EXCEPTION_EXIT_CODE, err[-3000:]
+    assert proc.returncode == FAILED_EXIT_CODE, err[-3000:]
     assert after < SLACK, after
     assert err.startswith("mpidl: rank 1 failed; aborting the job:", err.find("mpidl: ")), err[-3000:]
     assert "RuntimeError: injected failure on rank 1" in err, err[-3000:]

@@ -304,7 +304,7 @@ def test_stalled_names_the_workers_a_pause_waits_for() -> None:
     clock.now += 2
     ((key, age, message),) = gg.stalled()
     assert age == 3
-    assert message == "mpidl: group generator: workers {w0,w2} called settle() or close(); waiting 3 s for {w1}"
+    assert message == "group generator: workers {w0,w2} called settle() or close(); waiting 3 s for {w1}"
     gg.close(1)
     assert gg.finished and gg.stalled() == []
     gg.reopen()

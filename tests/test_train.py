@@ -330,9 +330,14 @@ def test_grsgd_takes_equal_steps_within_its_lead(tmp_path_factory: pytest.TempPa
         (["--algorithm", "allreduce", "--topology", "ring"], "--topology does not apply to --algorithm allreduce"),
         (["--algorithm", "grsgd", "--policy", "smart"], "--policy does not apply to --algorithm grsgd"),
         (["--algorithm", "lsgd", "--overlap", "on"], "--overlap does not apply to --algorithm lsgd"),
-        (["--overlap", "maybe"], "expected on or off, got 'maybe'"),
+        (["--algorithm", "lsgd", "--no-overlap"], "--overlap does not apply to --algorithm lsgd"),
+        (["--overlap", "maybe"], "unrecognized arguments: maybe"),
         (["--algorithm", "prague", "--group-size", "3"], "group_size must be an integer in 1..2"),
         (["--dataset", "fashion-mnist", "--data-dir", "/nonexistent"], "not found in /nonexistent"),
+        (
+            ["--dataset", "mnist", "--data-dir", "/nonexistent"],
+            "'mpidl data fetch --dataset mnist --data-dir /nonexistent' downloads them and checks their SHA-256",
+        ),
     ],
 )
 def test_errors_are_reported_once_with_exit_status_2(argv: list[str], message: str) -> None:

@@ -83,6 +83,63 @@ def test_fashion_mnist_reads_gzipped_and_raw_idx_files(tmp_path) -> None:
     assert np.allclose(norm.x_train * 255, images["train"].reshape(6, -1))
 
 
+def test_mnist_is_read_by_the_same_loader(tmp_path) -> None:
+    """MNIST's four files have Fashion-MNIST's names and format: the same loader, its own name."""
+    images, labels = _write_fashion(tmp_path)
+    ds = data.DATASETS["mnist"](str(tmp_path))
+    assert ds.name == "mnist" and ds.classes == 10 and ds.shape == (1, 28, 28)
+    assert np.array_equal(ds.x_train, images["train"].reshape(6, -1)) and np.array_equal(ds.y_test, labels["t10k"])
+
+
+@pytest.mark.parametrize(
+    "name, ways",
+    [
+        (
+            "fashion-mnist",
+            [
+                "one of three ways: Debian's package dataset-fashion-mnist installs them in "
+                "/usr/share/datasets/fashion-mnist",
+                "'mpidl data fetch --dataset fashion-mnist' downloads them and checks their SHA-256 (into {home}",
+                "--data-dir DIR reads them from a folder of yours (torchvision's FashionMNIST(ROOT, download=True) "
+                "puts them in ROOT/FashionMNIST/raw)",
+            ],
+        ),
+        ("mnist", ["one of two ways: 'mpidl data fetch --dataset mnist' downloads them", "--data-dir DIR reads"]),
+    ],
+)
+def test_missing_idx_files_say_how_to_get_them(
+    name: str, ways: list[str], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the files, the error names where it looked and the ways to get them (Debian's
+    package where there is one, ``mpidl data fetch``, ``--data-dir``); with a ``--data-dir``
+    the fetch goes there."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    home = f"{tmp_path}/mpidl/{name}"
+    with pytest.raises(data.DatasetError) as exc:
+        data.load_idx(name)
+    message = str(exc.value)
+    assert message.startswith(f"train-images-idx3-ubyte[.gz] not found in {' or '.join(data.default_dirs(name))}; ")
+    assert data.default_dirs(name)[-1] == home
+    assert all(way.format(home=home) in message for way in ways), message
+    with pytest.raises(
+        data.DatasetError, match=rf"'mpidl data fetch --dataset {name} --data-dir /none' .* \(into /none\)"
+    ):
+        data.load_idx(name, "/none")
+
+
+def test_without_a_data_dir_the_fetched_files_are_found(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files in the user's data folder (where ``mpidl data fetch`` puts them) are read when no
+    folder is given; a folder holding some of them is the one whose missing file is named."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    folder = tmp_path / "mpidl" / "mnist"
+    folder.mkdir(parents=True)
+    images, _ = _write_fashion(folder)
+    assert np.array_equal(data.load_idx("mnist").x_test, images["t10k"].reshape(4, -1))
+    (folder / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(data.DatasetError, match=rf"t10k-labels-idx1-ubyte\[.gz\] not found in {folder}; get MNIST"):
+        data.load_idx("mnist")
+
+
 def test_idx_errors_are_clear(tmp_path) -> None:
     (tmp_path / "bad").write_bytes(b"\x01\x02\x03\x04")
     with pytest.raises(data.DatasetError, match="not an IDX file"):
@@ -305,8 +362,10 @@ def test_algorithm_options_go_to_the_algorithms_that_take_them() -> None:
     assert config_from_args(_args("--algorithm", "allreduce")).options == {}
     with pytest.raises(UsageError, match="--topology does not apply to --algorithm allreduce"):
         config_from_args(_args("--algorithm", "allreduce", "--topology", "ring"))
+    with pytest.raises(UsageError, match="--topology does not apply to --algorithm allreduce"):
+        config_from_args(_args("--topology", "ring"))  # the default algorithm
     with pytest.raises(UsageError, match="--collective does not apply to --algorithm dpsgd"):
-        config_from_args(_args("--collective", "ring"))
+        config_from_args(_args("--algorithm", "dpsgd", "--collective", "ring"))
     assert config_from_args(
         _args("--algorithm", "prague", "--policy", "random", "--group-size", "3", "--local-steps", "2")
     ).options == {"policy": "random", "group_size": 3, "local_steps": 2}

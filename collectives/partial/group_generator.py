@@ -329,7 +329,7 @@ class GroupGenerator:
                 (
                     ("gg-close", closing),
                     now - closing,
-                    f"mpidl: group generator: workers {workers(closed)} called settle() or close(); "
+                    f"group generator: workers {workers(closed)} called settle() or close(); "
                     f"waiting {now - closing:.0f} s for {workers(w for w in range(self.n) if w not in closed)}",
                 )
             )
@@ -353,7 +353,7 @@ class GroupGenerator:
                 (
                     ("gg-request", worker, since),
                     now - since,
-                    f"mpidl: group generator: the request of worker {worker} {what} for {now - since:.0f} s; "
+                    f"group generator: the request of worker {worker} {what} for {now - since:.0f} s; "
                     f"locks {self._vector()}" + (f"; {held}" if held else ""),
                 )
             )

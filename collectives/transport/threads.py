@@ -32,8 +32,9 @@ from ..errors import ArgumentError
 from . import watchdog
 from .p2p import prompt_threads
 
-#: Exit code of a job brought down by an uncaught exception on some rank.
-EXCEPTION_EXIT_CODE = 2
+#: Exit code of a job brought down by an uncaught exception on some rank: a failed rank
+#: (distinct from a usage error's 2 and a stall's 3, :data:`~collectives.transport.watchdog.ABORT_EXIT_CODE`).
+EXCEPTION_EXIT_CODE = 4
 #: Exit code of a job brought down by Ctrl-C (``KeyboardInterrupt``) on some rank.
 INTERRUPT_EXIT_CODE = 130
 

@@ -5,15 +5,16 @@ in a per-thread slot, which operation it belongs to, on which communicator,
 and which peers it waits for. A daemon thread looks at the slots once a
 second (or more often for short limits):
 
-* a transfer blocked for longer than ``warn`` seconds is logged once, as a
-  warning on the ``collectives.watchdog`` logger and on stderr, naming the
+* a transfer blocked for longer than ``warn`` seconds is reported once, as a
+  warning on the ``collectives.watchdog`` logger (:mod:`~collectives.transport.logs`;
+  straight to stderr in the same form where logging is not configured), naming the
   operation, this rank and the peers (as ranks of ``MPI.COMM_WORLD``);
   reporters add stalls they see themselves (the P-Reduce group generator:
   queued groups, with the lock vector and the groups holding the locks, and
   the workers that a ``settle()`` or ``close()`` waits for);
 * one blocked for longer than ``abort`` seconds ends the whole job:
   the message goes to stderr and ``MPI_Abort`` is called on
-  ``MPI.COMM_WORLD`` with exit code 3, so the launcher (mpiexec, srun) stops
+  ``MPI.COMM_WORLD`` with exit code 3 (:data:`ABORT_EXIT_CODE`), so the launcher (mpiexec, srun) stops
   every rank instead of letting the job hang until its allocation runs out.
 
 Limits come from ``MPIDL_STALL_WARN`` (default 60 s) and
@@ -35,8 +36,11 @@ from typing import Callable
 
 from mpi4py import MPI
 
+from . import logs
+
 log = logging.getLogger("collectives.watchdog")
 
+#: Exit code of a job that the stall limit ended (distinct from a failed rank's and a usage error's).
 ABORT_EXIT_CODE = 3
 #: Seconds between printing why the job aborts and calling MPI_Abort: mpiexec
 #: (hydra) drops what a rank wrote last when the abort stops it first.
@@ -135,12 +139,9 @@ def _world_ranks(comm: MPI.Comm | None, peers: Sequence[int]) -> list[int]:
 
 
 def describe(s: Slot, age: float) -> str:
-    """The report for a slot blocked for ``age`` seconds."""
+    """The report for a slot blocked for ``age`` seconds (:func:`logs.line` adds this rank)."""
     peers = ", ".join(map(str, sorted(set(_world_ranks(s.comm, s.peers))))) or "?"
-    return (
-        f"mpidl: rank {MPI.COMM_WORLD.Get_rank()} ({s.thread}) has waited {age:.0f} s in {s.operation} "
-        f"for rank(s) {peers} of MPI_COMM_WORLD"
-    )
+    return f"{s.thread} has waited {age:.0f} s in {s.operation} for rank(s) {peers} of MPI_COMM_WORLD"
 
 
 def _stalls() -> list[tuple[Hashable, float, str]]:
@@ -167,12 +168,6 @@ def _stalls() -> list[tuple[Hashable, float, str]]:
     return out
 
 
-def _say(line: str) -> None:
-    """``line`` on stderr in one write, so that the launcher does not mix it with other ranks' lines."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
 def abort_job(code: int) -> None:
     """``MPI_Abort`` on ``MPI.COMM_WORLD`` with ``code``, :data:`ABORT_GRACE` seconds
     after the caller's last message (flushed), so that the launcher passes it on."""
@@ -195,12 +190,12 @@ def _watch() -> None:
 def _check(warn: float, abort: float) -> None:
     for key, age, message in _stalls():
         if abort and age > abort:
-            _say(f"{message}; aborting the job (stall limit MPIDL_STALL_ABORT={abort:g} s)")
+            logs.write(f"{message}; aborting the job (stall limit MPIDL_STALL_ABORT={abort:g} s)")
             abort_job(ABORT_EXIT_CODE)
         if warn and age > warn and key not in _reported:
             _reported.add(key)
             message += f"; the job aborts after {abort:g} s" if abort else ""
             if log.hasHandlers():
                 log.warning("%s", message)
-            else:  # no logging configured: straight to stderr, once
-                _say(message)
+            else:  # no logging configured (library use without mpidl.init()): to stderr all the same
+                logs.write(message)
