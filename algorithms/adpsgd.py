@@ -87,6 +87,7 @@ from collectives.transport import gpu, p2p, threads
 from collectives.transport.buffers import array_module
 from collectives.transport.scratch import scratch
 
+from . import events
 from .background import Background
 from .base import Algorithm
 from .topology import Topology, build
@@ -179,23 +180,27 @@ class ADPSGD(Algorithm):
         self.optimizer.step()
         if self._background is not None:
             self.last_peer = self.peers[int(self._rng.integers(len(self.peers)))]
-            self._background.submit(self._average_with, self.last_peer)
+            self._background.submit(self._average_with, self.last_peer, self.iterations)
 
-    def _average_with(self, peer: int) -> None:
-        """On the averaging thread: x_i, x_peer <- (x_i + x_peer) / 2 (the peer's server does its half)."""
+    def _average_with(self, peer: int, step: int) -> None:
+        """On the averaging thread: x_i, x_peer <- (x_i + x_peer) / 2 (the peer's server does its
+        half); a recorded timeline gets it as a span of ``step``."""
+        recorder = events.active
+        t0 = time.perf_counter() if recorder is not None else 0.0
         x = self.flat.state_data
         theirs = scratch(x, x.shape[0])
         p2p.operation(f"AD-PSGD averaging with rank {peer}")
         pending = [p2p.irecv(self._comm, theirs, peer), p2p.isend(self._comm, x, peer)]
         p2p.waitall(pending, self._comm, (peer,), poll=True)
         _average(self._red, x, theirs, peer < self.rank)
+        if recorder is not None:
+            recorder.add(f"average with rank {peer}", events.COMMUNICATION, t0, time.perf_counter(), step=step)
 
     def _collect(self) -> None:
         """Wait for the averaging in flight; count its time and bytes."""
         assert self._background is not None  # active workers only
-        t0 = time.perf_counter()
-        _, nbytes = self._background.result()
-        self.comm_wait_s += time.perf_counter() - t0
+        with self._communicating("wait for averaging", events.WAIT):
+            _, nbytes = self._background.result()
         self.bytes_sent += nbytes
         self.averagings += 1
 
