@@ -120,18 +120,27 @@ def abandon() -> None:
         events.stop()
 
 
+class Recording:
+    """What :func:`record` yields: after the block, ``trace`` holds the trace on rank 0
+    (None elsewhere, and before the block ends)."""
+
+    trace: dict[str, Any] | None = None
+
+
 @contextmanager
-def record(path: str | None = None, comm: MPI.Comm | None = None) -> Iterator[None]:
-    """Record the enclosed block's timeline and write it to ``path`` on rank 0
-    (collective over ``comm``). An exception leaving the block drops the recording
-    on this rank without waiting for the others (it may be this rank's alone)."""
+def record(path: str | None = None, comm: MPI.Comm | None = None) -> Iterator[Recording]:
+    """Record the enclosed block's timeline (collective over ``comm``) and write it to
+    ``path`` on rank 0; the :class:`Recording` yielded holds it afterwards. An exception
+    leaving the block drops the recording on this rank without waiting for the others
+    (it may be this rank's alone)."""
+    recording = Recording()
     start(comm)
     try:
-        yield
+        yield recording
     except BaseException:
         abandon()
         raise
-    stop(path)
+    recording.trace = stop(path)
 
 
 def span(name: str, category: str = events.COMPUTE, **args: Any) -> AbstractContextManager[None]:
@@ -260,4 +269,4 @@ def plot(result: dict[str, Any], path: str, first: int = 1, steps: int = 3, titl
     plt.close(fig)
 
 
-__all__ = ["COLOURS", "abandon", "plot", "read", "record", "span", "start", "stop", "trace", "write"]
+__all__ = ["COLOURS", "Recording", "abandon", "plot", "read", "record", "span", "start", "stop", "trace", "write"]
