@@ -8,11 +8,17 @@ algorithm's step (communication and update, never stretched):
 * **unpaced** (the default): a step slowed by a factor f > 1
   (:mod:`mpidl.slowdowns`) sleeps (f - 1) c, so that its computation takes
   f c; a step at f = 1 does not wait;
-* **paced** (``--step-time C``): every step sleeps max(0, f C - c), so that
-  its computation takes f C whatever c was, as a step of a large model on a
-  GPU takes a set time. A step whose c exceeds f C is not paced; it is
-  counted as an *overrun* (``mpidl train`` reports them: pacing then no
-  longer holds, choose a larger C or fewer workers per core).
+* **paced** (``--step-time C``): every step sleeps max(0, f C - c - u), u
+  being what the worker's previous ``step()`` took besides communicating
+  (the optimizer's update), so that the worker's own work of a step takes
+  f C whatever c and u were, as a step of a large model on a GPU (forward,
+  backward and update) takes a set time. The update is counted into the
+  next step's pace because it follows the communication inside ``step()``:
+  left out, it would add to every step, and where many workers share a
+  core their updates, all due at the same moment, take several times their
+  own length. A step whose c + u exceeds f C is not paced; it is counted as
+  an *overrun* (``mpidl train`` reports them: pacing then no longer holds,
+  choose a larger C or fewer workers per core).
 
 Paced, a worker's core idles most of each step, so many workers share few
 cores and each still computes its real gradient: 16 to 32 workers of a
@@ -68,12 +74,16 @@ class StepClock:
         """Whether any step may wait (paced, or some step slowed)."""
         return self.step_time is not None or self.slowdowns.active
 
-    def pause(self, step: int, computed_s: float) -> tuple[float, bool]:
+    def pause(self, step: int, computed_s: float, updated_s: float = 0.0) -> tuple[float, bool]:
         """Sleep out this worker's ``step``-th step after a computation of ``computed_s``
-        seconds; return the step's slowdown factor and whether it overran its paced time."""
+        seconds (paced: and an update of ``updated_s`` in the previous step); return the
+        step's slowdown factor and whether it overran its paced time."""
         factor = self.slowdowns.factor(step)
         paced = self.step_time is not None
-        rest = factor * self.step_time - computed_s if self.step_time is not None else (factor - 1) * computed_s
+        if self.step_time is not None:
+            rest = factor * self.step_time - computed_s - updated_s
+        else:
+            rest = (factor - 1) * computed_s
         if rest > 0:
             time.sleep(rest)
         return factor, paced and rest < 0

@@ -679,6 +679,7 @@ class _Run:
         self.meta = _describe(config, dataset, net, algo, steps, threads, polled)
         slowdowns = Slowdowns(algo.rank, config.slow, config.slowdown, config.seed)
         self.clock = StepClock(slowdowns, config.step_time)
+        self.updated_s = 0.0  # what the last step() took besides communicating (the update)
         self.times = stragglers.StepTimes()
         self.cpu = stragglers.CpuMeter()
         self.indices = data.shard(len(dataset.y_train), algo.rank, algo.size, config.seed)
@@ -799,12 +800,14 @@ class _Run:
         loss = net.loss_backward(self.x_train[batch], self.y_train[batch])
         net.synchronize()
         t1 = time.perf_counter()
-        factor, overrun = self.clock.pause(k, t1 - t0)
+        factor, overrun = self.clock.pause(k, t1 - t0, self.updated_s)
         t2 = time.perf_counter()
         waited = algo.comm_wait_s
         algo.step()
         t3 = time.perf_counter()
-        self.times.add(t1 - t0, t2 - t0, t3 - t0, algo.comm_wait_s - waited, factor, overrun)
+        waited = algo.comm_wait_s - waited
+        self.updated_s = t3 - t2 - waited
+        self.times.add(t1 - t0, t2 - t0, t3 - t0, waited, factor, overrun)
         recorder = events.active
         if recorder is not None:
             recorder.add("compute", events.COMPUTE, t0, t1, step=k)

@@ -64,15 +64,17 @@ def test_durations_need_their_unit() -> None:
 
 @pytest.mark.parametrize("step_time", [None, 0.15])
 def test_the_clock_sleeps_out_the_step(step_time: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unpaced, a step slowed f-fold sleeps (f - 1) c; paced, f C - c, and a step whose
-    computation outlasts f C sleeps nothing and is an overrun."""
+    """Unpaced, a step slowed f-fold sleeps (f - 1) c; paced, f C - c - u (u the previous
+    step's update), and a step whose computation and update outlast f C sleeps nothing
+    and is an overrun."""
     slept: list[float] = []
     monkeypatch.setattr(stepclock.time, "sleep", slept.append)
     clock = stepclock.StepClock(Slowdowns(0, {0: 3.0}, None, 0), step_time)
     assert clock.active
-    assert clock.pause(0, 0.01) == (3.0, False)
+    assert clock.pause(0, 0.01, 0.005) == (3.0, False)
     assert clock.pause(1, 0.5) == (3.0, step_time is not None)
-    expected = [0.02, 1.0] if step_time is None else [0.44]
+    assert clock.pause(2, 0.3, 0.2) == (3.0, step_time is not None)
+    expected = [0.02, 1.0, 0.6] if step_time is None else [0.435]
     assert slept == pytest.approx(expected)
     idle = stepclock.StepClock(Slowdowns(1, {0: 3.0}, None, 0), None)
     assert not idle.active and idle.pause(0, 0.01) == (1.0, False) and slept == pytest.approx(expected)
