@@ -133,8 +133,7 @@ def report(times: StepTimes, cpu: CpuMeter, comm: MPI.Comm) -> dict[str, Any]:
     means["own"] = [s - w for s, w in zip(means["step"], means["comm_wait"])]
     wall = max(r[2] for r in rows)
     cpu_s = [r[1] for r in rows]
-    machine = cpu.machine if comm.Get_rank() == 0 else None
-    machine = comm.bcast(machine, root=0)
+    cores, machine = comm.bcast((os.cpu_count(), cpu.machine), root=0)  # rank 0's machine
     return {
         "steps": steps,
         "slowed_steps": [p["slowed"] for p in per],
@@ -145,7 +144,7 @@ def report(times: StepTimes, cpu: CpuMeter, comm: MPI.Comm) -> dict[str, Any]:
             "cpu_s": cpu_s,
             "wall_s": wall,
             "workers_cores": sum(cpu_s) / wall if wall else 0.0,
-            "machine_cores": os.cpu_count(),
+            "machine_cores": cores,
             "machine_busy": machine[0] / machine[1] if machine and machine[1] else None,
         },
     }

@@ -68,6 +68,8 @@ COLOURS = {
     events.EVALUATION: "#8c8c8c",
 }
 
+_NS = 1e-3  # microseconds: ends and starts closer than this touch (the trace rounds to it)
+
 _session: tuple[MPI.Comm, float] | None = None  # the communicator and this rank's time 0, while recording
 
 
@@ -237,7 +239,7 @@ def plot(result: dict[str, Any], path: str, first: int = 1, steps: int = 3, titl
         stack: list[float] = []  # ends of the enclosing spans
         for e in sorted((e for e in spans if (e["pid"], e["tid"]) == row), key=lambda e: (e["ts"], -e["dur"])):
             end = e["ts"] + e["dur"]
-            while stack and stack[-1] <= e["ts"]:
+            while stack and stack[-1] <= e["ts"] + _NS:
                 stack.pop()
             depth = len(stack)
             stack.append(end)
