@@ -95,6 +95,7 @@ from collectives.transport import gpu, p2p, threads
 from collectives.transport.buffers import array_module
 from collectives.transport.scratch import scratch
 
+from . import events
 from .background import Background
 from .base import Algorithm
 from .topology import Topology, build
@@ -201,7 +202,7 @@ class ADPSGD(Algorithm):
         self.optimizer.step()
         if self._background is not None:
             self.last_peer = self._next_peer()
-            self._background.submit(self._average_with, self.last_peer)
+            self._background.submit(self._average_with, self.last_peer, self.iterations)
 
     def _next_peer(self) -> int:
         """The neighbor of the next averaging: drawn at random, or by place and speed (aware)."""
@@ -211,9 +212,9 @@ class ADPSGD(Algorithm):
         chosen = self._placement.choose(self.rank, shuffled, 1)
         return shuffled[0] if chosen is None else chosen[0]  # None: a crossing is due, but no neighbor is away
 
-    def _average_with(self, peer: int) -> float:
+    def _average_with(self, peer: int, step: int) -> float:
         """On the averaging thread: x_i, x_peer <- (x_i + x_peer) / 2 (the peer's server does its
-        half); the seconds it took."""
+        half); the seconds it took (a recorded timeline gets it as a span of ``step``)."""
         t0 = time.perf_counter()
         x = self.flat.state_data
         theirs = scratch(x, x.shape[0])
@@ -221,14 +222,16 @@ class ADPSGD(Algorithm):
         pending = [p2p.irecv(self._comm, theirs, peer), p2p.isend(self._comm, x, peer)]
         p2p.waitall(pending, self._comm, (peer,), poll=True)
         _average(self._red, x, theirs, peer < self.rank)
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if events.active is not None:
+            events.active.add(f"average with rank {peer}", events.COMMUNICATION, t0, t1, step=step)
+        return t1 - t0
 
     def _collect(self) -> None:
         """Wait for the averaging in flight; count its time and bytes."""
         assert self._background is not None  # active workers only
-        t0 = time.perf_counter()
-        seconds, nbytes = self._background.result()
-        self.comm_wait_s += time.perf_counter() - t0
+        with self._communicating("wait for averaging", events.WAIT):
+            seconds, nbytes = self._background.result()
         self.bytes_sent += nbytes
         self.averagings += 1
         if self._placement is not None and self.last_peer is not None:

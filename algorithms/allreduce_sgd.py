@@ -100,6 +100,7 @@ Li et al., "PyTorch Distributed", VLDB 2020.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
@@ -117,6 +118,7 @@ from collectives.topology.layout import layout as node_layout
 from collectives.transport import gpu, threads
 from collectives.transport.context import context
 
+from . import events
 from .background import Background, spare_cores
 from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
@@ -469,7 +471,29 @@ class AllReduceSGD(Algorithm):
     ) -> None:
         """All-reduce (average) ``bucket``'s slice of the flat gradient, in place
         (``pieces``: see :meth:`_prepare`; ``finish``: the fused update, see
-        :meth:`SharedVectors.allreduce`)."""
+        :meth:`SharedVectors.allreduce`); a recorded timeline gets it as a span."""
+        recorder = events.active
+        if recorder is None:
+            self._reduce_bucket(bucket, pieces, finish)
+            return
+        t0 = time.perf_counter()
+        self._reduce_bucket(bucket, pieces, finish)
+        k = bucket.index
+        recorder.add(
+            f"bucket {k}",
+            events.COMMUNICATION,
+            t0,
+            time.perf_counter(),
+            step=self.iterations,
+            bucket=k,
+            bytes=bucket.size * self.flat.grad_data.itemsize,
+            algorithm=self.bucket_algorithms[k],
+        )
+
+    def _reduce_bucket(
+        self, bucket: Bucket, pieces: Sequence[tuple[int, Any]], finish: Callable[..., None] | None
+    ) -> None:
+        """:meth:`_reduce`'s all-reduce."""
         if self._shared is not None and self.bucket_algorithms[bucket.index] == "shm":
             self._shared.allreduce(bucket.start, bucket.stop, self._red, pieces, finish)
             return
@@ -512,7 +536,8 @@ class AllReduceSGD(Algorithm):
                 "a parameter frozen when the algorithm was built now requires a gradient, which no "
                 "bucket holds; set requires_grad before building the algorithm"
             )
-        with self._communicating():
+        overlapped = self._background is not None
+        with self._communicating(*(("wait for buckets", events.WAIT) if overlapped else ())):
             if self._background is None:
                 for b in self.buckets:
                     self._reduce(b, self._prepare(b), finish)

@@ -108,6 +108,7 @@ from collectives.transport.buffers import DTYPE_CODES, dtype_code
 from collectives.transport.context import context
 from collectives.transport.p2p import bytes_sent
 
+from . import events
 from .flat import FlatParams, flatten
 
 
@@ -433,14 +434,20 @@ class Algorithm(ABC):
         self._synchronized = False
 
     @contextmanager
-    def _communicating(self) -> Iterator[None]:
-        """Count the time and the bytes this thread spends in the enclosed communication."""
+    def _communicating(self, name: str = "communicate", category: str = events.COMMUNICATION) -> Iterator[None]:
+        """Count the time and the bytes this thread spends in the enclosed communication
+        (or waiting for it: ``category`` :data:`~algorithms.events.WAIT`); a recorded
+        timeline (:mod:`algorithms.events`) gets it as a span ``name`` of this step."""
         t0, b0 = time.perf_counter(), bytes_sent()
         try:
             yield
         finally:
-            self.comm_wait_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.comm_wait_s += t1 - t0
             self.bytes_sent += bytes_sent() - b0
+            recorder = events.active
+            if recorder is not None:
+                recorder.add(name, category, t0, t1, step=self.iterations)
 
 
 def _grad_scaler_stepping() -> bool:

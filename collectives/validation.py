@@ -33,7 +33,9 @@ For the butterfly on small vectors (up to :data:`FUSE_LIMIT` bytes) on those
 communicators the data rides in the same messages, after the header, and is
 combined in scratch space; it is copied to the caller's buffer only if the
 final flag is clear. So the check costs no extra message there; elsewhere it
-costs lg p small exchanges before the algorithm runs.
+costs lg p small exchanges before the algorithm runs. On a thread whose waits
+poll (:func:`collectives.transport.p2p.poll_waits`) the exchanges poll too, as
+the shared-memory barrier does.
 
 Checking is on by default; pass ``validate=False``, call
 :func:`set_default`, or set ``MPIDL_VALIDATE=0`` before start-up to skip it,
@@ -164,22 +166,22 @@ def check(
     blocked = p2p.watch(comm, f.peers + ((f.partner,) if f.partner is not None else ()))
     try:
         if f.partner is not None and f.newrank is None:  # folded out: hand over, wait for the result
-            comm.Send([out[:size], _BYTE], f.partner, _TAG)
-            comm.Recv([out, _BYTE], f.partner, _TAG, status)
+            _exchange(comm, out[:size], f.partner, None, status)
+            _exchange(comm, None, f.partner, out, status)
             flag, *fields = _HEADER.unpack_from(out)
             ref = tuple(fields)
             flag |= status.Get_count(_BYTE) != size
         else:
             if f.partner is not None:
-                comm.Recv([got, _BYTE], f.partner, _TAG, status)
+                _exchange(comm, None, f.partner, got, status)
                 merge(f.partner)
                 _HEADER.pack_into(out, 0, flag, *ref)
             for peer in f.peers:
-                comm.Sendrecv([out[:size], _BYTE], peer, _TAG, [got, _BYTE], peer, _TAG, status)
+                _exchange(comm, out[:size], peer, got, status)
                 merge(peer)
                 _HEADER.pack_into(out, 0, flag, *ref)
             if f.partner is not None:
-                comm.Send([out[:size], _BYTE], f.partner, _TAG)
+                _exchange(comm, out[:size], f.partner, None, status)
     finally:
         blocked.since = 0.0
     if flag:
@@ -190,6 +192,25 @@ def check(
 
 
 _U8_EMPTY = np.empty(0, np.uint8)
+
+
+def _exchange(comm: MPI.Comm, send: np.ndarray | None, peer: int, recv: np.ndarray | None, status: MPI.Status) -> None:
+    """Send ``send`` to and/or receive into ``recv`` from ``peer`` (``status``: the
+    receive's), blocking, or polled where this thread's waits poll
+    (:func:`~collectives.transport.p2p.poll_waits`)."""
+    if not p2p.polls():
+        if send is not None and recv is not None:
+            comm.Sendrecv([send, _BYTE], peer, _TAG, [recv, _BYTE], peer, _TAG, status)
+        elif send is not None:
+            comm.Send([send, _BYTE], peer, _TAG)
+        else:
+            comm.Recv([recv, _BYTE], peer, _TAG, status)
+        return
+    receiving = comm.Irecv([recv, _BYTE], peer, _TAG) if recv is not None else None
+    if send is not None:
+        p2p.complete(comm.Isend([send, _BYTE], peer, _TAG))
+    if receiving is not None:
+        p2p.complete(receiving, status)
 
 
 def header(problem: ArgumentError | None, signature: Sequence[int]) -> bytes:

@@ -2,7 +2,8 @@
 
 The face of the toolkit: :func:`init`, the public API of :mod:`collectives`
 re-exported, :class:`~mpidl.data.ShardSampler` (a worker's shard of a dataset
-for a torch ``DataLoader``), and the ``mpidl`` command (``python -m mpidl``).
+for a torch ``DataLoader``), :mod:`mpidl.timeline` (a trace of every rank's
+steps), and the ``mpidl`` command (``python -m mpidl``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,18 @@ from collectives import (
     allreduce,
 )
 
+from . import timeline
 from .data import ShardSampler
 from .runtime import init
 
-__all__ = ["ALGORITHMS", "OPS", "ArgumentError", "CollectiveError", "ShardSampler", "__version__", "allreduce", "init"]
+__all__ = [
+    "ALGORITHMS",
+    "OPS",
+    "ArgumentError",
+    "CollectiveError",
+    "ShardSampler",
+    "__version__",
+    "allreduce",
+    "init",
+    "timeline",
+]

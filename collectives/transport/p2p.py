@@ -20,7 +20,12 @@ blocking: a blocking MPI call busy-waits and would take a core from the
 computation. Such a thread calls :func:`poll_waits` once, and from then on
 every wait of this module, blocking calls included, tests its transfers with
 :class:`Backoff` sleeps in between (host arrays; a device transport waits its
-own way). Measured on two emulated nodes with 1 Gbit/s links
+own way); so do the shared-memory barrier (:mod:`collectives.kernels.shm`) and
+the argument check (:mod:`collectives.validation`, through :func:`complete`)
+on that thread. A worker's main thread polls too where many workers share few
+cores and each leaves its core idle most of a step (``mpidl train
+--step-time``): a rank waiting for a peer must not take the core of one that
+computes. Measured on two emulated nodes with 1 Gbit/s links
 (``docs/performance.rst``): an all-reduce of 16.6 MiB kept the machine's
 cores 100 % busy while blocking, 14 % while polling, in the same time.
 Such a thread also needs the GIL promptly when a message comes, while the
@@ -263,9 +268,11 @@ def waitall(
         s.since = 0.0
 
 
-def poll_waits() -> None:
-    """Make every later wait of this module on this thread poll (module docstring)."""
-    _sent.poll = True
+def poll_waits(enabled: bool = True) -> bool:
+    """Make every later wait of this module on this thread poll (module docstring),
+    or block again (``enabled=False``); returns whether they polled before."""
+    before, _sent.poll = _sent.poll, enabled
+    return before
 
 
 def polls() -> bool:
@@ -277,6 +284,19 @@ def _poll(pending: Sequence[Pending]) -> None:
     """Test ``pending`` with :class:`Backoff` sleeps in between until all have completed."""
     backoff = Backoff()
     while not test(pending):
+        backoff.sleep()
+
+
+def complete(request: MPI.Request, status: MPI.Status | None = None) -> None:
+    """Complete one started MPI request, blocking or, on a thread whose waits poll
+    (:func:`poll_waits`), testing it with :class:`Backoff` sleeps in between;
+    ``status`` receives its status. (For transfers outside this module's
+    counting, e.g. the argument check's headers.)"""
+    if not _sent.poll:
+        request.Wait(status)
+        return
+    backoff = Backoff()
+    while not request.Test(status):
         backoff.sleep()
 
 
