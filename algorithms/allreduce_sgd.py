@@ -5,7 +5,7 @@ Each step, on every worker i of n:
 1. g_i = the local gradient at x (computed by the caller);
 2. g = (1/n) sum_j g_j by all-reduces (average) of the flat gradient buffer,
    in place, bucket by bucket (:mod:`algorithms.buckets`), with any
-   algorithm of :data:`collectives.ALGORITHMS`;
+   all-reduce algorithm of :data:`collectives.COLLECTIVES`;
 3. x <- optimizer step with g (e.g. SGD with momentum).
 
 Every worker applies the same averaged gradient to the same model, so the
@@ -111,6 +111,7 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError, as_flat, reduction
+from collectives.errors import renamed, renamed_keyword
 from collectives.kernels.resident import SharedVectors
 from collectives.topology.layout import RanksPerNode, detected
 from collectives.topology.layout import layout as node_layout
@@ -131,8 +132,8 @@ class AllReduceSGD(Algorithm):
 
     Args:
         model, optimizer, comm, broadcast_init, validate: see :class:`~algorithms.base.Algorithm`.
-        algorithm: the all-reduce algorithm (a key of
-            :data:`collectives.ALGORITHMS`; "auto" chooses by the cost model,
+        collective: the all-reduce algorithm (a key of
+            :data:`collectives.COLLECTIVES`; "auto" chooses by the cost model,
             per bucket size, resolved — and, on first use, calibrated — at
             construction).
         layout: ranks per node for the topology-aware all-reduce algorithms
@@ -176,13 +177,14 @@ class AllReduceSGD(Algorithm):
             for the parameters and momentum (a small ``/dev/shm``); True:
             there, else an ArgumentError saying why not (an OSError on every
             rank where the memory lacks).
+        algorithm: the old name of ``collective`` (deprecated).
 
     Attributes:
         choice: for "auto", the cost model's choice for the whole model's size
             (:func:`collectives.explain`), else None.
         overlap: whether buckets are all-reduced during backward.
         buckets: the bucket plan (:func:`algorithms.buckets.plan`), in launch order.
-        bucket_algorithms: the all-reduce algorithm of each bucket.
+        bucket_collectives: the all-reduce algorithm of each bucket.
         resident: whether the flat gradient lives in shared memory, where the
             ``shm`` buckets are all-reduced in place (module docstring).
         compression: the buckets' compressors and error-feedback memory
@@ -202,7 +204,7 @@ class AllReduceSGD(Algorithm):
         optimizer: Any,
         comm: MPI.Comm | None = None,
         *,
-        algorithm: str = collectives.DEFAULT_ALGORITHM,
+        collective: str = collectives.DEFAULT_COLLECTIVE,
         layout: RanksPerNode = None,
         overlap: bool | None = None,
         bucket_mb: float | None = None,
@@ -212,9 +214,12 @@ class AllReduceSGD(Algorithm):
         compression_start: int = 0,
         seed: int = 0,
         fuse_update: bool | None = None,
+        algorithm: str | None = None,
         **common: Any,
     ) -> None:
-        self.algorithm = algorithm
+        self.collective = renamed_keyword(
+            "AllReduceSGD", "algorithm", "collective", algorithm, collective, collectives.DEFAULT_COLLECTIVE
+        )
         self.layout = layout
         self.overlap_arg, self.bucket_mb = overlap, bucket_mb
         self.compression_arg, self.error_feedback_arg, self.seed = compression, error_feedback, seed
@@ -232,10 +237,9 @@ class AllReduceSGD(Algorithm):
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
-        if self.algorithm not in collectives.ALGORITHMS:
+        if self.collective not in collectives.COLLECTIVES:
             raise ArgumentError(
-                f"unknown all-reduce algorithm {self.algorithm!r}; "
-                f"valid algorithms: {', '.join(collectives.ALGORITHMS)}"
+                f"unknown collective {self.collective!r}; valid collectives: {', '.join(collectives.COLLECTIVES)}"
             )
         if self.layout is not None:
             node_layout(self.comm, self.layout)  # parses the override: local
@@ -265,7 +269,7 @@ class AllReduceSGD(Algorithm):
         if self.fuse_update_arg and self._unfusable:
             raise ArgumentError(f"fuse_update=True, but {self._unfusable}")
         return (
-            self.algorithm,
+            self.collective,
             self.layout,
             self.overlap_arg,
             self.bucket_mb,
@@ -321,18 +325,18 @@ class AllReduceSGD(Algorithm):
         device = self.flat.memory
         self.choice = (
             collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device)
-            if self.algorithm == "auto"
+            if self.collective == "auto"
             else None
         )
         itemsize = self.flat.grad_data.itemsize
         resolved: dict[int, str] = {}
         for b in self.buckets:
-            if self.algorithm == "auto" and b.size not in resolved:
+            if self.collective == "auto" and b.size not in resolved:
                 choice = collectives.explain(
                     b.size * itemsize, self.comm, layout=self.layout, device=device, validate=False
                 )
                 resolved[b.size] = choice.algorithm
-        self.bucket_algorithms = tuple(resolved.get(b.size, self.algorithm) for b in self.buckets)
+        self.bucket_collectives = tuple(resolved.get(b.size, self.collective) for b in self.buckets)
         self._frozen = [p for p, _ in getattr(self.flat, "views", ()) if not p.requires_grad]
         # With overlap, the service thread's own communicator: the caller may use self.comm meanwhile.
         self._comm = self.comm.Dup() if self.overlap else self.comm
@@ -342,7 +346,7 @@ class AllReduceSGD(Algorithm):
             self.compression = CompressedSlices(spec, feedback, self.flat.grads, bounds, self.flat.layout(), self.seed)
             if self._local:
                 self.local_momentum = LocalMomentum(self.optimizer, self.flat)
-        elif "shm" in self.bucket_algorithms and self._resident():
+        elif "shm" in self.bucket_collectives and self._resident():
             self._red = reduction("avg", self.flat.dtype)
             self._shared = SharedVectors(context(self._comm).comm, self.flat.size, self.flat.grad_data.dtype)
             self._move_grads(self._shared.mine)
@@ -370,7 +374,7 @@ class AllReduceSGD(Algorithm):
         why = self._unfusable
         if why is None and self.overlap:
             why = "the buckets are all-reduced during backward (overlap)"
-        if why is None and (self._shared is None or set(self.bucket_algorithms) != {"shm"}):
+        if why is None and (self._shared is None or set(self.bucket_collectives) != {"shm"}):
             why = "the gradients are not all-reduced in shared memory (one node, every bucket shm)"
         if why is not None or self.fuse_update_arg is False:
             if self.fuse_update_arg:
@@ -449,7 +453,7 @@ class AllReduceSGD(Algorithm):
         flat buffer, or, for an all-reduce in shared memory, where backward left them,
         as (offset, array) pieces for :meth:`SharedVectors.allreduce`."""
         flat = self.flat
-        if self._shared is None or self.bucket_algorithms[bucket.index] != "shm":
+        if self._shared is None or self.bucket_collectives[bucket.index] != "shm":
             for i in bucket.params:
                 flat.collect_grad(i)
             return ()
@@ -470,20 +474,20 @@ class AllReduceSGD(Algorithm):
         """All-reduce (average) ``bucket``'s slice of the flat gradient, in place
         (``pieces``: see :meth:`_prepare`; ``finish``: the fused update, see
         :meth:`SharedVectors.allreduce`)."""
-        if self._shared is not None and self.bucket_algorithms[bucket.index] == "shm":
+        if self._shared is not None and self.bucket_collectives[bucket.index] == "shm":
             self._shared.allreduce(bucket.start, bucket.stop, self._red, pieces, finish)
             return
         if self.local_momentum is not None:
             self.local_momentum.apply(bucket.params)
         if self.compression is not None and self.iterations >= self.compression_start:
             k = bucket.index
-            self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_algorithms[k])
+            self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_collectives[k])
             return
         collectives.allreduce(
             self._slices[bucket.index],
             self._comm,
             "avg",
-            self.bucket_algorithms[bucket.index],
+            self.bucket_collectives[bucket.index],
             validate=False,
             layout=self.layout,
         )
@@ -580,3 +584,9 @@ class AllReduceSGD(Algorithm):
             self._comm.Free()
             self._comm = self.comm
         super().close()
+
+    @property
+    def bucket_algorithms(self) -> tuple[str, ...]:
+        """The old name of :attr:`bucket_collectives` (deprecated: a ``DeprecationWarning``)."""
+        renamed("AllReduceSGD", "the attribute bucket_algorithms", "bucket_collectives")
+        return self.bucket_collectives

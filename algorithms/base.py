@@ -102,6 +102,7 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError, as_flat, validation
+from collectives.errors import renamed
 from collectives.topology.layout import RanksPerNode
 from collectives.transport import gpu
 from collectives.transport.buffers import DTYPE_CODES, dtype_code
@@ -143,9 +144,9 @@ class Algorithm(ABC):
     #: Whether every worker takes part in every step's communication, in step with the others
     #: (AllReduce-SGD, D-PSGD, LSGD); then a collective may join each step (``average_buffers``).
     synchronous: ClassVar[bool] = False
-    #: The all-reduce algorithm and layout of :meth:`average_buffers` (AllReduce-SGD and LSGD
-    #: set their own; "auto" calibrates the cost model on first use, once per communicator).
-    algorithm: str = collectives.DEFAULT_ALGORITHM
+    #: The all-reduce algorithm (collective) and layout of :meth:`average_buffers` (AllReduce-SGD
+    #: and LSGD set their own; "auto" calibrates the cost model on first use, once per communicator).
+    collective: str = collectives.DEFAULT_COLLECTIVE
     layout: RanksPerNode = None
 
     def __init__(
@@ -209,6 +210,12 @@ class Algorithm(ABC):
                 for p, _ in getattr(self.flat, "views", ())
                 if p.requires_grad
             ]
+
+    @property
+    def algorithm(self) -> str:
+        """The old name of :attr:`collective` (deprecated: a ``DeprecationWarning``)."""
+        renamed(type(self).__name__, "the attribute algorithm (the all-reduce algorithm)", "collective")
+        return self.collective
 
     @property
     def params(self) -> Any:
@@ -310,7 +317,7 @@ class Algorithm(ABC):
         if self.flat.has_buffers:
             with self._communicating():
                 buffers = self.flat.state[self.flat.size :]
-                collectives.allreduce(buffers, self.comm, "avg", self.algorithm, validate=False, layout=self.layout)
+                collectives.allreduce(buffers, self.comm, "avg", self.collective, validate=False, layout=self.layout)
 
     def settle(self) -> None:
         """Finish the communication that changes parameters in flight (collective):

@@ -46,6 +46,7 @@ from typing import Any
 from mpi4py import MPI
 
 from collectives import ArgumentError, PReduce, PReduceStats
+from collectives.errors import renamed_keyword
 from collectives.partial.preduce import check_options
 
 from .base import Algorithm
@@ -61,7 +62,8 @@ class Prague(Algorithm):
         local_steps: optimizer steps between averagings (>= 1).
         period: static only: averagings a partition is kept before it rotates.
         seed: seed of the group generator's draws / the static schedule.
-        algorithm: the all-reduce run within a group (:data:`collectives.GROUP_KERNELS`).
+        collective: the all-reduce run within a group (:data:`collectives.GROUP_KERNELS`).
+        algorithm: the old name of ``collective`` (deprecated).
 
     Attributes:
         preduce: the :class:`collectives.PReduce` on the flat parameters.
@@ -80,7 +82,8 @@ class Prague(Algorithm):
         local_steps: int = 1,
         period: int = 1,
         seed: int = 0,
-        algorithm: str = "ring",
+        collective: str = "ring",
+        algorithm: str | None = None,
         **common: Any,
     ) -> None:
         self.options: dict[str, Any] = {
@@ -88,7 +91,7 @@ class Prague(Algorithm):
             "policy": policy,
             "period": period,
             "seed": seed,
-            "algorithm": algorithm,
+            "collective": renamed_keyword("Prague", "algorithm", "collective", algorithm, collective, "ring"),
         }
         self.local_steps = local_steps
         super().__init__(model, optimizer, comm, **common)

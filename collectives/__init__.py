@@ -1,7 +1,7 @@
 """collectives: hand-written all-reduce algorithms on mpi4py.
 
-``allreduce(buf, comm, op, algorithm)`` reduces a numpy array or torch tensor
-in place; :data:`ALGORITHMS` names the algorithms, each in its own module
+``allreduce(buf, comm, op, collective)`` reduces a numpy array or torch tensor
+in place; :data:`COLLECTIVES` names its algorithms (the collectives), each in its own module
 (``ring``, ``halving_doubling``, ``butterfly``, ``reduce_broadcast``,
 ``hierarchical_ring``, ``torus2d``, ``shm``) whose kernel is public for composition, as
 are the ring's ``reduce_scatter`` and ``allgather``; "auto" picks one with the
@@ -22,11 +22,13 @@ group generator lock service (:class:`GroupGenerator`, policies
 and :func:`neighbor_exchange`, compressed gossip with graph neighbors.
 """
 
+from typing import Any
+
 from . import compression
-from .api import ALGORITHMS, DEFAULT_ALGORITHM, allreduce, broadcast, cost_params, explain
+from .api import COLLECTIVES, DEFAULT_COLLECTIVE, allreduce, broadcast, cost_params, explain
 from .compression import COMPRESSORS, Compressor, neighbor_exchange
 from .compression import create as compressor
-from .errors import ArgumentError, CollectiveError
+from .errors import ArgumentError, CollectiveError, renamed
 from .kernels.ring import allgather, reduce_scatter
 from .partial.group_comm import GroupComm
 from .partial.group_generator import POLICIES, Group, GroupGenerator, static_group, static_groups
@@ -36,9 +38,9 @@ from .transport.buffers import DTYPES, FlatBuffer, as_flat
 from .transport.ops import OPS, Reduction, reduction
 
 __all__ = [
-    "ALGORITHMS",
+    "COLLECTIVES",
     "COMPRESSORS",
-    "DEFAULT_ALGORITHM",
+    "DEFAULT_COLLECTIVE",
     "DTYPES",
     "GROUP_KERNELS",
     "OPS",
@@ -69,3 +71,14 @@ __all__ = [
     "static_group",
     "static_groups",
 ]
+
+#: Old names of this module's attributes (deprecated), and their new names.
+_RENAMED = {"ALGORITHMS": "COLLECTIVES", "DEFAULT_ALGORITHM": "DEFAULT_COLLECTIVE"}
+
+
+def __getattr__(name: str) -> Any:
+    """The deprecated names of :data:`_RENAMED`, with a ``DeprecationWarning``."""
+    if name in _RENAMED:
+        renamed("collectives", f"collectives.{name}", f"collectives.{_RENAMED[name]}")
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module 'collectives' has no attribute {name!r}")

@@ -9,15 +9,27 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from typing import Any
+
 from collectives import (
-    ALGORITHMS,
+    COLLECTIVES,
     OPS,
     ArgumentError,
     CollectiveError,
     allreduce,
 )
+from collectives.errors import renamed
 
 from .data import ShardSampler
 from .runtime import init
 
-__all__ = ["ALGORITHMS", "OPS", "ArgumentError", "CollectiveError", "ShardSampler", "__version__", "allreduce", "init"]
+__all__ = ["COLLECTIVES", "OPS", "ArgumentError", "CollectiveError", "ShardSampler", "__version__", "allreduce", "init"]
+
+
+def __getattr__(name: str) -> Any:
+    """``mpidl.ALGORITHMS``, the old name of :data:`COLLECTIVES` (deprecated: a
+    ``DeprecationWarning``; the training algorithms are ``algorithms.ALGORITHMS``)."""
+    if name == "ALGORITHMS":
+        renamed("mpidl", "mpidl.ALGORITHMS (the all-reduce algorithms)", "mpidl.COLLECTIVES")
+        return COLLECTIVES
+    raise AttributeError(f"module 'mpidl' has no attribute {name!r}")

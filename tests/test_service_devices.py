@@ -172,7 +172,7 @@ def test_service_threads_work_on_the_models_device(
         if comm.allreduce(x.sum()) != comm.allreduce(x0.sum()):
             failures.append(f"{name}: the sum of the models changed")
     layout, representatives = LAYOUTS[n]
-    x = run("lsgd", {"layout": layout, "algorithm": "ring"}, comm, x0, np.full(DIM, r + 1.0))
+    x = run("lsgd", {"layout": layout, "collective": "ring"}, comm, x0, np.full(DIM, r + 1.0))
     expected = x0 - (11 if n > 1 else 12) * ((n + 1) / 2)
     if not np.array_equal(x, expected):
         failures.append(f"lsgd: model {x}, expected {expected}")
@@ -199,7 +199,7 @@ def test_service_threads_work_on_the_models_device(
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", [2, 4])
 def test_lsgd_resolves_auto_for_device_memory_before_its_steps(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
-    """LSGD with ``algorithm="auto"`` on a device model has the device cost model
+    """LSGD with ``collective="auto"`` on a device model has the device cost model
     calibrated when it starts, so the steps count only their own messages (on an H100
     its first step had counted the calibration's exchanges: 274x the model per step)."""
     comm = comm_of_size(size)

@@ -88,7 +88,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import validation
-from ..errors import ArgumentError, CollectiveError
+from ..errors import ArgumentError, CollectiveError, renamed_keyword
 from ..kernels import butterfly, halving_doubling, reduce_broadcast, ring
 from ..kernels.plans import Kernel
 from ..transport import gpu, p2p, threads, watchdog
@@ -163,8 +163,9 @@ class PReduce:
             :mod:`collectives.partial.group_generator`).
         period: static only: iterations a partition is kept before it rotates.
         seed: seed of the random draws / the static schedule (>= 0).
-        algorithm: the all-reduce kernel run within a group, a name in
+        collective: the all-reduce algorithm run within a group, a name in
             :data:`GROUP_KERNELS`.
+        algorithm: the old name of ``collective`` (deprecated).
         service_rank: the rank whose thread runs GG.
         trace: GG trace: True/"stderr", "stdout", a file path, an open text
             stream, or False; None reads ``MPIDL_GG_TRACE``. Opened and
@@ -186,11 +187,13 @@ class PReduce:
         policy: str = "random",
         period: int = 1,
         seed: int = 0,
-        algorithm: str = "ring",
+        collective: str = "ring",
         service_rank: int = 0,
         trace: TraceSpec = None,
         validate: bool | None = None,
+        algorithm: str | None = None,
     ) -> None:
+        collective = renamed_keyword("PReduce", "algorithm", "collective", algorithm, collective, "ring")
         ctx = context(MPI.COMM_WORLD if comm is None else comm)
         self.rank, self.size = ctx.rank, ctx.size
         if group_size is None:
@@ -201,7 +204,7 @@ class PReduce:
             self._flat = as_flat(buf)
             self._on_host = type(self._flat.data) is np.ndarray
             self._red = reduction("avg", self._flat.dtype, array_module(self._flat.data))
-            self._kernel = check_options(self.size, algorithm, policy, group_size, period, seed, service_rank)
+            self._kernel = check_options(self.size, collective, policy, group_size, period, seed, service_rank)
         except ArgumentError as exc:
             problem = exc
         if validation.enabled(validate):
@@ -213,7 +216,7 @@ class PReduce:
                     self._flat.size,
                     validation.code(dtype),
                     validation.code("avg"),
-                    validation.code(algorithm),
+                    validation.code(collective),
                     validation.code(options),
                 )
             )
@@ -229,6 +232,7 @@ class PReduce:
                     {validation.code(a): a for a in GROUP_KERNELS},
                     {validation.code(options): options},
                 ),
+                fields=("length", "dtype", "op", "collective", "options"),
             )
         elif problem:
             raise problem
@@ -411,13 +415,13 @@ class PReduce:
 
 
 def check_options(
-    size: int, algorithm: str, policy: str, group_size: int, period: int, seed: int, service_rank: int
+    size: int, collective: str, policy: str, group_size: int, period: int, seed: int, service_rank: int
 ) -> Kernel:
     """Raise ArgumentError for a bad option, or for a policy whose group generator
-    needs a thread level MPI does not provide; return the kernel of ``algorithm``."""
-    kernel = GROUP_KERNELS.get(algorithm)
+    needs a thread level MPI does not provide; return the kernel of ``collective``."""
+    kernel = GROUP_KERNELS.get(collective)
     if kernel is None:
-        raise ArgumentError(f"unknown algorithm {algorithm!r}; valid for groups: {', '.join(GROUP_KERNELS)}")
+        raise ArgumentError(f"unknown collective {collective!r}; valid for groups: {', '.join(GROUP_KERNELS)}")
     check_policy(policy)
     check_group_size(group_size, size)
     for name, value, low in (("period", period, 1), ("seed", seed, 0)):
