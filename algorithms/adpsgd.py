@@ -84,10 +84,10 @@ from mpi4py import MPI
 
 from collectives import ArgumentError, reduction
 from collectives.transport import gpu, p2p, threads
+from collectives.transport.background import Background
 from collectives.transport.buffers import array_module
 from collectives.transport.scratch import scratch
 
-from .background import Background
 from .base import Algorithm
 from .topology import Topology, build
 

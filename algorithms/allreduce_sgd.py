@@ -13,7 +13,7 @@ models stay bitwise identical (the all-reduce gives every rank the same bits)
 and the algorithm is mini-batch SGD with an n times larger batch.
 
 Overlap (``overlap=True``): the all-reduce of a bucket starts, on a service
-thread (:class:`~algorithms.background.Background`, over a private duplicate
+thread (:class:`~collectives.transport.background.Background`, over a private duplicate
 of the communicator), as soon as backward has accumulated all its gradients
 — a post-accumulate-grad hook per parameter reports them
 (:class:`~algorithms.buckets.Tracker`) — while backward goes on computing
@@ -116,14 +116,17 @@ from collectives.kernels.resident import SharedVectors
 from collectives.topology.layout import RanksPerNode, detected
 from collectives.topology.layout import layout as node_layout
 from collectives.transport import gpu, threads
+from collectives.transport.background import Background
+from collectives.transport.buffers import array_module
 from collectives.transport.context import context
 
-from .background import Background, spare_cores
+from .background import spare_cores
 from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
 from .compressed import CompressedSlices, resolve
 from .flat import TorchFlatParams
 from .fused_sgd import SharedSGD, unfusable
+from .join import Join
 from .local_momentum import LocalMomentum, default_on, parameter_groups
 
 
@@ -234,6 +237,7 @@ class AllReduceSGD(Algorithm):
         self._shared: SharedVectors | None = None
         self._hooks: list[Any] = []
         self._sync = True
+        self._joining: Join | None = None  # inside join() (algorithms.join)
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
@@ -348,6 +352,7 @@ class AllReduceSGD(Algorithm):
                 self.local_momentum = LocalMomentum(self.optimizer, self.flat)
         elif "shm" in self.bucket_collectives and self._resident():
             self._red = reduction("avg", self.flat.dtype)
+            self._sum = reduction("sum", self.flat.dtype)
             self._shared = SharedVectors(context(self._comm).comm, self.flat.size, self.flat.grad_data.dtype)
             self._move_grads(self._shared.mine)
         self.resident = self._shared is not None
@@ -474,8 +479,9 @@ class AllReduceSGD(Algorithm):
         """All-reduce (average) ``bucket``'s slice of the flat gradient, in place
         (``pieces``: see :meth:`_prepare`; ``finish``: the fused update, see
         :meth:`SharedVectors.allreduce`)."""
+        joining = self._joining is not None  # then sum: the step divides by the workers still in
         if self._shared is not None and self.bucket_collectives[bucket.index] == "shm":
-            self._shared.allreduce(bucket.start, bucket.stop, self._red, pieces, finish)
+            self._shared.allreduce(bucket.start, bucket.stop, self._sum if joining else self._red, pieces, finish)
             return
         if self.local_momentum is not None:
             self.local_momentum.apply(bucket.params)
@@ -486,7 +492,7 @@ class AllReduceSGD(Algorithm):
         collectives.allreduce(
             self._slices[bucket.index],
             self._comm,
-            "avg",
+            "sum" if joining else "avg",
             self.bucket_collectives[bucket.index],
             validate=False,
             layout=self.layout,
@@ -494,7 +500,7 @@ class AllReduceSGD(Algorithm):
 
     def _step(self) -> None:
         fused = self.fused_update
-        if fused is None:
+        if fused is None or self._joining is not None:  # joining: the average comes after the sum
             self._synchronize()
             self._update()
             return
@@ -516,16 +522,75 @@ class AllReduceSGD(Algorithm):
                 "a parameter frozen when the algorithm was built now requires a gradient, which no "
                 "bucket holds; set requires_grad before building the algorithm"
             )
+        joining = self._joining
         with self._communicating():
-            if self._background is None:
+            count = joining.count(active=True) if joining is not None else self.size
+            self._reduce_buckets(finish)
+            if joining is not None:  # the buckets hold sums: average over the workers still in
+                average = reduction("avg", self.flat.dtype, array_module(self.flat.grad_data))
                 for b in self.buckets:
-                    self._reduce(b, self._prepare(b), finish)
-            else:
-                self._tracker.flush()
-                self._tracker.reset()
-                self._drain()
+                    average.finalize(self.flat.grad_data[b.start : b.stop], count)
         if self._shared is not None:
             self.flat.point_grads(self._bucketed)
+
+    def _reduce_buckets(self, finish: Callable[..., None] | None = None) -> None:
+        """All-reduce every bucket in order, here or on the service thread (``finish``:
+        the fused update, without overlap)."""
+        if self._background is None:
+            for b in self.buckets:
+                self._reduce(b, self._prepare(b), finish)
+        else:
+            self._tracker.flush()
+            self._tracker.reset()
+            self._drain()
+
+    def join(self) -> Join:
+        """A context for uneven inputs (:mod:`algorithms.join`, DDP's ``Join``): inside
+        it, a worker that leaves the block answers the steps of the workers still in,
+        which average their gradients over themselves, until every worker has left;
+        then every worker takes the model, optimizer state and step count of the last
+        one in. Every worker enters it at the same step, before its backward pass::
+
+            with algo.join():
+                for x, y in my_batches:      # as many as this worker has
+                    ...backward...
+                    algo.step()              # or opt.step()
+
+        Raises:
+            ArgumentError: with compression or ``average_buffers=True`` (the workers
+                out of data would be counted in them).
+            RuntimeError: closed, already inside ``join()``, or a backward pass of
+                this step has launched buckets already.
+        """
+        if self.closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if self._joining is not None:
+            raise RuntimeError("join() inside join()")
+        if self.compression is not None:
+            raise ArgumentError("join() averages over the workers still in; compressed all-reduces cannot")
+        if self.buffer_averaging:
+            raise ArgumentError(
+                "join() with average_buffers=True: the buffers' average would count the workers out of "
+                "data; call average_buffers() after the join() block instead"
+            )
+        if self._background is not None and self._tracker.launched:
+            raise RuntimeError("enter join() before the backward pass: this step's buckets are in flight")
+        return Join(self)
+
+    def _join_starts(self, join: Join) -> None:
+        """From now on steps count the workers still in (:class:`~algorithms.join.Join`)."""
+        self._joining = join
+
+    def _joined(self) -> None:
+        """Every worker has joined, or the join() block was left by an exception."""
+        self._joining = None
+
+    def _shadow(self) -> None:
+        """Answer a step of the workers still in: zero gradients into the step's
+        all-reduces; no update (the joined worker takes the state of the last one in)."""
+        self.flat.zero_grad()
+        self.flat.point_grads(range(len(self.flat.sizes)))
+        self._reduce_buckets()
 
     def _drain(self) -> None:
         """Wait for every bucket in flight and count its bytes; re-raise the first failure."""

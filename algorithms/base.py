@@ -84,7 +84,7 @@ set ``synchronous``); override :meth:`~Algorithm._configure`
 :meth:`~Algorithm.state_dict` and :meth:`~Algorithm.load_state_dict` (state
 kept between steps) as needed; register the
 class in :data:`algorithms.ALGORITHMS`. Service threads that overlap
-communication with computation are :class:`algorithms.background.Background`.
+communication with computation are :class:`collectives.transport.background.Background`.
 """
 
 from __future__ import annotations
@@ -303,6 +303,26 @@ class Algorithm(ABC):
         that communicate gradients during backward (AllReduce-SGD with overlap) hold it
         back; the others communicate in :meth:`step` alone and need nothing from it."""
         yield
+
+    def join(self) -> Any:
+        """A context for workers with uneven numbers of batches (AllReduce-SGD's
+        :meth:`~algorithms.allreduce_sgd.AllReduceSGD.join`, :mod:`algorithms.join`).
+
+        Raises:
+            NotImplementedError: the others have none: D-PSGD, LSGD and GR-SGD
+                average models or group sums, in which a worker out of data cannot
+                be left out by contributing zeros; AD-PSGD and Prague (random or
+                smart groups) let workers take different numbers of steps without
+                it (:attr:`uneven_steps`).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no join(): only AllReduce-SGD averages over the workers still in "
+            + (
+                "(this algorithm lets workers take different numbers of steps: stop stepping, then settle())"
+                if self.uneven_steps
+                else "(this algorithm averages models or group sums, which a worker out of data cannot leave)"
+            )
+        )
 
     def average_buffers(self) -> None:
         """Average the model's float buffers (BatchNorm's running statistics: the state

@@ -98,10 +98,10 @@ from collectives.topology.hierarchy import node_comms
 from collectives.topology.layout import RanksPerNode
 from collectives.topology.layout import layout as node_layout
 from collectives.transport import gpu, threads
+from collectives.transport.background import Background
 from collectives.transport.buffers import array_module
 from collectives.transport.context import context
 
-from .background import Background
 from .base import Algorithm
 from .compressed import CompressedSlices, resolve
 

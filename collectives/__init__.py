@@ -4,9 +4,14 @@
 in place; :data:`COLLECTIVES` names its algorithms (the collectives), each in its own module
 (``ring``, ``halving_doubling``, ``butterfly``, ``reduce_broadcast``,
 ``hierarchical_ring``, ``torus2d``, ``shm``) whose kernel is public for composition, as
-are the ring's ``reduce_scatter`` and ``allgather``; "auto" picks one with the
-cost model (:mod:`collectives.tuning.costmodel`), and :func:`explain` says which and
-why. ``broadcast(buf, comm)`` copies rank 0's buffer to every rank.
+are the ring's ``reduce_scatter`` (here) and ``allgather``
+(:mod:`collectives.kernels.ring`); "auto" picks one with the cost model
+(:mod:`collectives.tuning.costmodel`), and :func:`explain` says which and why.
+``allreduce_async(buf, comm, op, collective)`` runs it on a service thread and returns
+a :class:`Handle` to ``wait()`` for (:mod:`collectives.nonblocking`).
+``broadcast(buf, comm, root=0)`` copies rank ``root``'s buffer to every rank;
+``allgather(buf, comm)`` concatenates every rank's array along its first dimension,
+which may differ between ranks (:mod:`collectives.gather`).
 
 ``neighbor_allreduce(buf, weights, comm)`` averages each rank's buffer with its
 in-neighbors' over a graph (:mod:`collectives.partial.neighbor`), one row of a mixing
@@ -29,7 +34,9 @@ from .api import COLLECTIVES, DEFAULT_COLLECTIVE, allreduce, broadcast, cost_par
 from .compression import COMPRESSORS, Compressor, neighbor_exchange
 from .compression import create as compressor
 from .errors import ArgumentError, CollectiveError, renamed
-from .kernels.ring import allgather, reduce_scatter
+from .gather import allgather
+from .kernels.ring import reduce_scatter
+from .nonblocking import Handle, allreduce_async, synchronize
 from .partial.group_comm import GroupComm
 from .partial.group_generator import POLICIES, Group, GroupGenerator, static_group, static_groups
 from .partial.neighbor import NeighborWeights, neighbor_allreduce
@@ -52,12 +59,14 @@ __all__ = [
     "Group",
     "GroupComm",
     "GroupGenerator",
+    "Handle",
     "NeighborWeights",
     "PReduce",
     "PReduceStats",
     "Reduction",
     "allgather",
     "allreduce",
+    "allreduce_async",
     "as_flat",
     "broadcast",
     "compression",
@@ -70,6 +79,7 @@ __all__ = [
     "reduction",
     "static_group",
     "static_groups",
+    "synchronize",
 ]
 
 #: Old names of this module's attributes (deprecated), and their new names.

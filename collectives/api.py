@@ -266,29 +266,43 @@ def allreduce(
     return buf
 
 
-def broadcast(buf: Any, comm: MPI.Comm | None = None, *, validate: bool | None = None) -> Any:
-    """Copy rank 0's ``buf`` into ``buf`` on every rank of ``comm``, in place, and return it.
+def broadcast(buf: Any, comm: MPI.Comm | None = None, *, root: int = 0, validate: bool | None = None) -> Any:
+    """Copy rank ``root``'s ``buf`` into ``buf`` on every rank of ``comm``, in place, and return it.
 
     A binomial tree (:func:`collectives.kernels.reduce_broadcast.broadcast`):
     ceil(lg p) (alpha + n beta). Buffers and validation as for
-    :func:`allreduce` (same length and dtype on every rank).
+    :func:`allreduce`: the same length, dtype and ``root`` on every rank, else
+    an ArgumentError on every rank before any data moved (a ``root`` outside
+    ``comm`` too).
     """
     ctx = context(_WORLD if comm is None else comm)
     p2p.operation("broadcast")
+    flat, problem = None, None
     try:
-        flat, problem = as_flat(buf), None
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < ctx.size:
+            raise ArgumentError(f"broadcast: root {root!r} is not a rank of the communicator's {ctx.size}")
+        flat = as_flat(buf)
     except ArgumentError as exc:
         flat, problem = None, exc
     if validation.enabled(validate):
-        signature = (0,) * 5 if flat is None else (flat.size, dtype_code(flat), 0, validation.code("broadcast"), 0)
-        validation.check(ctx, "broadcast", problem, signature, _field_names)
+        signature = (0,) * 5 if flat is None else (flat.size, dtype_code(flat), int(root), _BROADCAST, 0)
+        validation.check(ctx, "broadcast", problem, signature, _broadcast_field_names, fields=_BROADCAST_FIELDS)
     if flat is None:  # unchecked (a check raised already)
         raise problem or ArgumentError("broadcast: no buffer")
     if type(flat.data) is not np.ndarray:
         gpu.ensure(ctx.comm, flat)
     if flat.size:
-        reduce_broadcast.broadcast(flat.data, ctx.comm)
+        reduce_broadcast.broadcast(flat.data, ctx.comm, int(root))
     return buf
+
+
+_BROADCAST = validation.code("broadcast")  # tells a broadcast from another collective in the check
+_BROADCAST_FIELDS = ("length", "dtype", "root", "operation", "options")  # the broadcast's signature, for its errors
+
+
+def _broadcast_field_names() -> tuple[dict[int, str], ...]:
+    """Readable names of the broadcast's signature codes, for error messages."""
+    return ({}, DTYPE_CODES, {}, {_BROADCAST: "broadcast"})
 
 
 def explain(

@@ -1,4 +1,4 @@
-"""MPI start-up for mpidl programs: thread level, fail-fast, stall limits."""
+"""MPI start-up for mpidl programs: thread level, fail-fast, stall limits, this rank's place."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ from mpi4py import MPI
 from collectives.transport import threads, watchdog
 from collectives.transport.threads import EXCEPTION_EXIT_CODE
 
+from . import ranks
+
 
 def init(
     abort_on_exception: bool = True, stall_warn: float | None = None, stall_abort: float | None = None
 ) -> MPI.Intracomm:
-    """Initialise MPI for mpidl (idempotent) and return ``MPI.COMM_WORLD``.
+    """Initialise MPI for mpidl (idempotent; collective: every rank calls it) and return
+    ``MPI.COMM_WORLD``, as Horovod's ``hvd.init()``; afterwards :func:`mpidl.rank`,
+    :func:`~mpidl.size`, :func:`~mpidl.local_rank` and :func:`~mpidl.local_size` say
+    where this rank is (:mod:`mpidl.ranks`).
 
     Args:
         abort_on_exception: install a ``sys.excepthook`` that prints the
@@ -31,6 +36,9 @@ def init(
     initialised MPI with a lower level itself, a warning says so (and the
     parts that need service threads refuse to start:
     :func:`collectives.transport.threads.require_multiple`).
+
+    Raises:
+        ArgumentError: ``MPIDL_RANKS_PER_NODE`` is malformed (on every rank).
     """
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
@@ -44,6 +52,7 @@ def init(
     if abort_on_exception:
         sys.excepthook = threads.fail
     watchdog.configure(stall_warn, stall_abort)
+    ranks.locate(MPI.COMM_WORLD)
     return MPI.COMM_WORLD
 
 

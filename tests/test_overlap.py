@@ -67,8 +67,8 @@ def test_a_service_thread_waits_without_spinning() -> None:
     cost it a small part of the wait in CPU time, with the right sums."""
     import time
 
-    from algorithms.background import Background
     from collectives.transport import p2p
+    from collectives.transport.background import Background
 
     comm = comm_of_size(2)
     if comm.size < 2:

@@ -99,6 +99,8 @@ def test_the_training_algorithms_take_the_old_keyword_with_a_warning(name: str) 
 
 def test_bucket_algorithms_is_the_old_name_of_bucket_collectives() -> None:
     x = np.zeros(3)
-    with algorithms.AllReduceSGD(x, SGD(x, lr=0.1), MPI.COMM_SELF, collective="ring") as algo:
-        with pytest.deprecated_call(match="use bucket_collectives"):
-            assert algo.bucket_algorithms == algo.bucket_collectives == ("ring",)
+    with (
+        algorithms.AllReduceSGD(x, SGD(x, lr=0.1), MPI.COMM_SELF, collective="ring") as algo,
+        pytest.deprecated_call(match="use bucket_collectives"),
+    ):
+        assert algo.bucket_algorithms == algo.bucket_collectives == ("ring",)

@@ -23,10 +23,11 @@ from mpitest import all_ok, comm_of_size, gather_failures
 
 import algorithms
 import algorithms.base
-from algorithms.background import Background
+import collectives.transport.background
 from algorithms.flat import FlatParams
 from collectives import FlatBuffer, as_flat
 from collectives.transport import gpu
+from collectives.transport.background import Background
 
 DIM = 10
 
@@ -105,7 +106,7 @@ def test_background_hands_a_device_failure_to_every_task(monkeypatch: pytest.Mon
     def broken(device: int | None) -> None:
         raise RuntimeError(f"device {device} is gone")
 
-    monkeypatch.setattr(algorithms.background, "use_device", broken)
+    monkeypatch.setattr(collectives.transport.background, "use_device", broken)
     service = Background("broken", 1)
     for _ in range(2):
         service.submit(lambda: None)
