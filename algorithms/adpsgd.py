@@ -92,11 +92,11 @@ from collectives import ArgumentError, reduction
 from collectives.partial.placement import Placement
 from collectives.topology.layout import layout as node_layout
 from collectives.transport import gpu, p2p, threads
+from collectives.transport.background import Background
 from collectives.transport.buffers import array_module
 from collectives.transport.scratch import scratch
 
 from . import events
-from .background import Background
 from .base import Algorithm
 from .topology import Topology, build
 

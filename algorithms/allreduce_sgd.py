@@ -5,7 +5,7 @@ Each step, on every worker i of n:
 1. g_i = the local gradient at x (computed by the caller);
 2. g = (1/n) sum_j g_j by all-reduces (average) of the flat gradient buffer,
    in place, bucket by bucket (:mod:`algorithms.buckets`), with any
-   algorithm of :data:`collectives.ALGORITHMS`;
+   all-reduce algorithm of :data:`collectives.COLLECTIVES`;
 3. x <- optimizer step with g (e.g. SGD with momentum).
 
 Every worker applies the same averaged gradient to the same model, so the
@@ -13,7 +13,7 @@ models stay bitwise identical (the all-reduce gives every rank the same bits)
 and the algorithm is mini-batch SGD with an n times larger batch.
 
 Overlap (``overlap=True``): the all-reduce of a bucket starts, on a service
-thread (:class:`~algorithms.background.Background`, over a private duplicate
+thread (:class:`~collectives.transport.background.Background`, over a private duplicate
 of the communicator), as soon as backward has accumulated all its gradients
 — a post-accumulate-grad hook per parameter reports them
 (:class:`~algorithms.buckets.Tracker`) — while backward goes on computing
@@ -112,19 +112,23 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError, as_flat, reduction
+from collectives.errors import renamed, renamed_keyword
 from collectives.kernels.resident import SharedVectors
 from collectives.topology.layout import RanksPerNode, detected
 from collectives.topology.layout import layout as node_layout
 from collectives.transport import gpu, threads
+from collectives.transport.background import Background
+from collectives.transport.buffers import array_module
 from collectives.transport.context import context
 
 from . import events
-from .background import Background, spare_cores
+from .background import spare_cores
 from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
 from .compressed import CompressedSlices, resolve
 from .flat import TorchFlatParams
 from .fused_sgd import SharedSGD, unfusable
+from .join import Join
 from .local_momentum import LocalMomentum, default_on, parameter_groups
 
 
@@ -133,8 +137,8 @@ class AllReduceSGD(Algorithm):
 
     Args:
         model, optimizer, comm, broadcast_init, validate: see :class:`~algorithms.base.Algorithm`.
-        algorithm: the all-reduce algorithm (a key of
-            :data:`collectives.ALGORITHMS`; "auto" chooses by the cost model,
+        collective: the all-reduce algorithm (a key of
+            :data:`collectives.COLLECTIVES`; "auto" chooses by the cost model,
             per bucket size, resolved — and, on first use, calibrated — at
             construction).
         layout: ranks per node for the topology-aware all-reduce algorithms
@@ -178,13 +182,14 @@ class AllReduceSGD(Algorithm):
             for the parameters and momentum (a small ``/dev/shm``); True:
             there, else an ArgumentError saying why not (an OSError on every
             rank where the memory lacks).
+        algorithm: the old name of ``collective`` (deprecated).
 
     Attributes:
         choice: for "auto", the cost model's choice for the whole model's size
             (:func:`collectives.explain`), else None.
         overlap: whether buckets are all-reduced during backward.
         buckets: the bucket plan (:func:`algorithms.buckets.plan`), in launch order.
-        bucket_algorithms: the all-reduce algorithm of each bucket.
+        bucket_collectives: the all-reduce algorithm of each bucket.
         resident: whether the flat gradient lives in shared memory, where the
             ``shm`` buckets are all-reduced in place (module docstring).
         compression: the buckets' compressors and error-feedback memory
@@ -204,7 +209,7 @@ class AllReduceSGD(Algorithm):
         optimizer: Any,
         comm: MPI.Comm | None = None,
         *,
-        algorithm: str = collectives.DEFAULT_ALGORITHM,
+        collective: str = collectives.DEFAULT_COLLECTIVE,
         layout: RanksPerNode = None,
         overlap: bool | None = None,
         bucket_mb: float | None = None,
@@ -214,9 +219,12 @@ class AllReduceSGD(Algorithm):
         compression_start: int = 0,
         seed: int = 0,
         fuse_update: bool | None = None,
+        algorithm: str | None = None,
         **common: Any,
     ) -> None:
-        self.algorithm = algorithm
+        self.collective = renamed_keyword(
+            "AllReduceSGD", "algorithm", "collective", algorithm, collective, collectives.DEFAULT_COLLECTIVE
+        )
         self.layout = layout
         self.overlap_arg, self.bucket_mb = overlap, bucket_mb
         self.compression_arg, self.error_feedback_arg, self.seed = compression, error_feedback, seed
@@ -231,13 +239,13 @@ class AllReduceSGD(Algorithm):
         self._shared: SharedVectors | None = None
         self._hooks: list[Any] = []
         self._sync = True
+        self._joining: Join | None = None  # inside join() (algorithms.join)
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
-        if self.algorithm not in collectives.ALGORITHMS:
+        if self.collective not in collectives.COLLECTIVES:
             raise ArgumentError(
-                f"unknown all-reduce algorithm {self.algorithm!r}; "
-                f"valid algorithms: {', '.join(collectives.ALGORITHMS)}"
+                f"unknown collective {self.collective!r}; valid collectives: {', '.join(collectives.COLLECTIVES)}"
             )
         if self.layout is not None:
             node_layout(self.comm, self.layout)  # parses the override: local
@@ -267,7 +275,7 @@ class AllReduceSGD(Algorithm):
         if self.fuse_update_arg and self._unfusable:
             raise ArgumentError(f"fuse_update=True, but {self._unfusable}")
         return (
-            self.algorithm,
+            self.collective,
             self.layout,
             self.overlap_arg,
             self.bucket_mb,
@@ -323,18 +331,18 @@ class AllReduceSGD(Algorithm):
         device = self.flat.memory
         self.choice = (
             collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device)
-            if self.algorithm == "auto"
+            if self.collective == "auto"
             else None
         )
         itemsize = self.flat.grad_data.itemsize
         resolved: dict[int, str] = {}
         for b in self.buckets:
-            if self.algorithm == "auto" and b.size not in resolved:
+            if self.collective == "auto" and b.size not in resolved:
                 choice = collectives.explain(
                     b.size * itemsize, self.comm, layout=self.layout, device=device, validate=False
                 )
                 resolved[b.size] = choice.algorithm
-        self.bucket_algorithms = tuple(resolved.get(b.size, self.algorithm) for b in self.buckets)
+        self.bucket_collectives = tuple(resolved.get(b.size, self.collective) for b in self.buckets)
         self._frozen = [p for p, _ in getattr(self.flat, "views", ()) if not p.requires_grad]
         # With overlap, the service thread's own communicator: the caller may use self.comm meanwhile.
         self._comm = self.comm.Dup() if self.overlap else self.comm
@@ -344,8 +352,9 @@ class AllReduceSGD(Algorithm):
             self.compression = CompressedSlices(spec, feedback, self.flat.grads, bounds, self.flat.layout(), self.seed)
             if self._local:
                 self.local_momentum = LocalMomentum(self.optimizer, self.flat)
-        elif "shm" in self.bucket_algorithms and self._resident():
+        elif "shm" in self.bucket_collectives and self._resident():
             self._red = reduction("avg", self.flat.dtype)
+            self._sum = reduction("sum", self.flat.dtype)
             self._shared = SharedVectors(context(self._comm).comm, self.flat.size, self.flat.grad_data.dtype)
             self._move_grads(self._shared.mine)
         self.resident = self._shared is not None
@@ -372,7 +381,7 @@ class AllReduceSGD(Algorithm):
         why = self._unfusable
         if why is None and self.overlap:
             why = "the buckets are all-reduced during backward (overlap)"
-        if why is None and (self._shared is None or set(self.bucket_algorithms) != {"shm"}):
+        if why is None and (self._shared is None or set(self.bucket_collectives) != {"shm"}):
             why = "the gradients are not all-reduced in shared memory (one node, every bucket shm)"
         if why is not None or self.fuse_update_arg is False:
             if self.fuse_update_arg:
@@ -451,7 +460,7 @@ class AllReduceSGD(Algorithm):
         flat buffer, or, for an all-reduce in shared memory, where backward left them,
         as (offset, array) pieces for :meth:`SharedVectors.allreduce`."""
         flat = self.flat
-        if self._shared is None or self.bucket_algorithms[bucket.index] != "shm":
+        if self._shared is None or self.bucket_collectives[bucket.index] != "shm":
             for i in bucket.params:
                 flat.collect_grad(i)
             return ()
@@ -487,34 +496,35 @@ class AllReduceSGD(Algorithm):
             step=self.iterations,
             bucket=k,
             bytes=bucket.size * self.flat.grad_data.itemsize,
-            algorithm=self.bucket_algorithms[k],
+            collective=self.bucket_collectives[k],
         )
 
     def _reduce_bucket(
         self, bucket: Bucket, pieces: Sequence[tuple[int, Any]], finish: Callable[..., None] | None
     ) -> None:
         """:meth:`_reduce`'s all-reduce."""
-        if self._shared is not None and self.bucket_algorithms[bucket.index] == "shm":
-            self._shared.allreduce(bucket.start, bucket.stop, self._red, pieces, finish)
+        joining = self._joining is not None  # then sum: the step divides by the workers still in
+        if self._shared is not None and self.bucket_collectives[bucket.index] == "shm":
+            self._shared.allreduce(bucket.start, bucket.stop, self._sum if joining else self._red, pieces, finish)
             return
         if self.local_momentum is not None:
             self.local_momentum.apply(bucket.params)
         if self.compression is not None and self.iterations >= self.compression_start:
             k = bucket.index
-            self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_algorithms[k])
+            self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_collectives[k])
             return
         collectives.allreduce(
             self._slices[bucket.index],
             self._comm,
-            "avg",
-            self.bucket_algorithms[bucket.index],
+            "sum" if joining else "avg",
+            self.bucket_collectives[bucket.index],
             validate=False,
             layout=self.layout,
         )
 
     def _step(self) -> None:
         fused = self.fused_update
-        if fused is None:
+        if fused is None or self._joining is not None:  # joining: the average comes after the sum
             self._synchronize()
             self._update()
             return
@@ -536,17 +546,76 @@ class AllReduceSGD(Algorithm):
                 "a parameter frozen when the algorithm was built now requires a gradient, which no "
                 "bucket holds; set requires_grad before building the algorithm"
             )
+        joining = self._joining
         overlapped = self._background is not None
         with self._communicating(*(("wait for buckets", events.WAIT) if overlapped else ())):
-            if self._background is None:
+            count = joining.count(active=True) if joining is not None else self.size
+            self._reduce_buckets(finish)
+            if joining is not None:  # the buckets hold sums: average over the workers still in
+                average = reduction("avg", self.flat.dtype, array_module(self.flat.grad_data))
                 for b in self.buckets:
-                    self._reduce(b, self._prepare(b), finish)
-            else:
-                self._tracker.flush()
-                self._tracker.reset()
-                self._drain()
+                    average.finalize(self.flat.grad_data[b.start : b.stop], count)
         if self._shared is not None:
             self.flat.point_grads(self._bucketed)
+
+    def _reduce_buckets(self, finish: Callable[..., None] | None = None) -> None:
+        """All-reduce every bucket in order, here or on the service thread (``finish``:
+        the fused update, without overlap)."""
+        if self._background is None:
+            for b in self.buckets:
+                self._reduce(b, self._prepare(b), finish)
+        else:
+            self._tracker.flush()
+            self._tracker.reset()
+            self._drain()
+
+    def join(self) -> Join:
+        """A context for uneven inputs (:mod:`algorithms.join`, DDP's ``Join``): inside
+        it, a worker that leaves the block answers the steps of the workers still in,
+        which average their gradients over themselves, until every worker has left;
+        then every worker takes the model, optimizer state and step count of the last
+        one in. Every worker enters it at the same step, before its backward pass::
+
+            with algo.join():
+                for x, y in my_batches:      # as many as this worker has
+                    ...backward...
+                    algo.step()              # or opt.step()
+
+        Raises:
+            ArgumentError: with compression or ``average_buffers=True`` (the workers
+                out of data would be counted in them).
+            RuntimeError: closed, already inside ``join()``, or a backward pass of
+                this step has launched buckets already.
+        """
+        if self.closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if self._joining is not None:
+            raise RuntimeError("join() inside join()")
+        if self.compression is not None:
+            raise ArgumentError("join() averages over the workers still in; compressed all-reduces cannot")
+        if self.buffer_averaging:
+            raise ArgumentError(
+                "join() with average_buffers=True: the buffers' average would count the workers out of "
+                "data; call average_buffers() after the join() block instead"
+            )
+        if self._background is not None and self._tracker.launched:
+            raise RuntimeError("enter join() before the backward pass: this step's buckets are in flight")
+        return Join(self)
+
+    def _join_starts(self, join: Join) -> None:
+        """From now on steps count the workers still in (:class:`~algorithms.join.Join`)."""
+        self._joining = join
+
+    def _joined(self) -> None:
+        """Every worker has joined, or the join() block was left by an exception."""
+        self._joining = None
+
+    def _shadow(self) -> None:
+        """Answer a step of the workers still in: zero gradients into the step's
+        all-reduces; no update (the joined worker takes the state of the last one in)."""
+        self.flat.zero_grad()
+        self.flat.point_grads(range(len(self.flat.sizes)))
+        self._reduce_buckets()
 
     def _drain(self) -> None:
         """Wait for every bucket in flight and count its bytes; re-raise the first failure."""
@@ -605,3 +674,9 @@ class AllReduceSGD(Algorithm):
             self._comm.Free()
             self._comm = self.comm
         super().close()
+
+    @property
+    def bucket_algorithms(self) -> tuple[str, ...]:
+        """The old name of :attr:`bucket_collectives` (deprecated: a ``DeprecationWarning``)."""
+        renamed("AllReduceSGD", "the attribute bucket_algorithms", "bucket_collectives")
+        return self.bucket_collectives

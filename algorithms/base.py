@@ -84,7 +84,7 @@ set ``synchronous``); override :meth:`~Algorithm._configure`
 :meth:`~Algorithm.state_dict` and :meth:`~Algorithm.load_state_dict` (state
 kept between steps) as needed; register the
 class in :data:`algorithms.ALGORITHMS`. Service threads that overlap
-communication with computation are :class:`algorithms.background.Background`.
+communication with computation are :class:`collectives.transport.background.Background`.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError, as_flat, validation
+from collectives.errors import renamed
 from collectives.topology.layout import RanksPerNode
 from collectives.transport import gpu
 from collectives.transport.buffers import DTYPE_CODES, dtype_code
@@ -144,9 +145,9 @@ class Algorithm(ABC):
     #: Whether every worker takes part in every step's communication, in step with the others
     #: (AllReduce-SGD, D-PSGD, LSGD); then a collective may join each step (``average_buffers``).
     synchronous: ClassVar[bool] = False
-    #: The all-reduce algorithm and layout of :meth:`average_buffers` (AllReduce-SGD and LSGD
-    #: set their own; "auto" calibrates the cost model on first use, once per communicator).
-    algorithm: str = collectives.DEFAULT_ALGORITHM
+    #: The all-reduce algorithm (collective) and layout of :meth:`average_buffers` (AllReduce-SGD
+    #: and LSGD set their own; "auto" calibrates the cost model on first use, once per communicator).
+    collective: str = collectives.DEFAULT_COLLECTIVE
     layout: RanksPerNode = None
 
     def __init__(
@@ -210,6 +211,12 @@ class Algorithm(ABC):
                 for p, _ in getattr(self.flat, "views", ())
                 if p.requires_grad
             ]
+
+    @property
+    def algorithm(self) -> str:
+        """The old name of :attr:`collective` (deprecated: a ``DeprecationWarning``)."""
+        renamed(type(self).__name__, "the attribute algorithm (the all-reduce algorithm)", "collective")
+        return self.collective
 
     @property
     def params(self) -> Any:
@@ -298,6 +305,26 @@ class Algorithm(ABC):
         back; the others communicate in :meth:`step` alone and need nothing from it."""
         yield
 
+    def join(self) -> Any:
+        """A context for workers with uneven numbers of batches (AllReduce-SGD's
+        :meth:`~algorithms.allreduce_sgd.AllReduceSGD.join`, :mod:`algorithms.join`).
+
+        Raises:
+            NotImplementedError: the others have none: D-PSGD, LSGD and GR-SGD
+                average models or group sums, in which a worker out of data cannot
+                be left out by contributing zeros; AD-PSGD and Prague (random or
+                smart groups) let workers take different numbers of steps without
+                it (:attr:`uneven_steps`).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no join(): only AllReduce-SGD averages over the workers still in "
+            + (
+                "(this algorithm lets workers take different numbers of steps: stop stepping, then settle())"
+                if self.uneven_steps
+                else "(this algorithm averages models or group sums, which a worker out of data cannot leave)"
+            )
+        )
+
     def average_buffers(self) -> None:
         """Average the model's float buffers (BatchNorm's running statistics: the state
         after the parameters, :mod:`algorithms.flat`) over the workers, in place, with
@@ -311,7 +338,7 @@ class Algorithm(ABC):
         if self.flat.has_buffers:
             with self._communicating():
                 buffers = self.flat.state[self.flat.size :]
-                collectives.allreduce(buffers, self.comm, "avg", self.algorithm, validate=False, layout=self.layout)
+                collectives.allreduce(buffers, self.comm, "avg", self.collective, validate=False, layout=self.layout)
 
     def settle(self) -> None:
         """Finish the communication that changes parameters in flight (collective):

@@ -33,7 +33,7 @@ averaging and gradient both read x(t), so the averaging need not wait for
 the gradient. The first forward pass of a step (a forward pre-hook on the
 model; passes without gradients, such as evaluations under
 ``torch.no_grad()``, don't count) starts it on a service thread
-(:class:`~algorithms.background.Background`, over a private duplicate of the
+(:class:`~collectives.transport.background.Background`, over a private duplicate of the
 communicator): x(t) is sent to the neighbors as it is (forward and backward
 only read it) and the mix is formed in a separate buffer
 (``neighbor_allreduce(..., out=)``) while the caller computes g_i.
@@ -90,9 +90,10 @@ from mpi4py import MPI
 
 from collectives import ArgumentError, Compressor, neighbor_allreduce, neighbor_exchange
 from collectives.transport import gpu, threads
+from collectives.transport.background import Background
 from collectives.transport.context import context
 
-from .background import Background, spare_cores
+from .background import spare_cores
 from .base import Algorithm
 from .compressed import compressor_for, consensus_step, host_copy, load_into, require, resolve, variance_factor
 from .error_feedback import zeros_like

@@ -1,4 +1,4 @@
-"""The all-reduce entry point, the registry of algorithms, and ``auto``.
+"""The all-reduce entry point, the registry of its algorithms (collectives), and ``auto``.
 
 A call's arguments (communicator, algorithm, op, dtype, length, memory,
 options, validation) are resolved once into a :class:`_Call` — the
@@ -31,7 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import validation
-from .errors import ArgumentError
+from .errors import ArgumentError, renamed_keyword
 from .kernels import reduce_broadcast, shm
 from .kernels.plans import PLANNERS, Planner, Request, Run, Shm
 from .topology import hierarchy
@@ -71,10 +71,11 @@ class _Auto:
         self.runs[self.algorithm_for(x.nbytes, _memory(x))](x, red)
 
 
-#: Registered all-reduce algorithms: name -> planner.
-ALGORITHMS: dict[str, Planner] = {**PLANNERS, "auto": _Auto}
+#: Registered all-reduce algorithms (``collective=`` of the entry points): name -> planner.
+COLLECTIVES: dict[str, Planner] = {**PLANNERS, "auto": _Auto}
 
-DEFAULT_ALGORITHM = "auto"
+DEFAULT_COLLECTIVE = "auto"
+_FIELDS = ("length", "dtype", "op", "collective", "options")  # the all-reduce's signature, for its errors
 _WORLD = MPI.COMM_WORLD
 _CALLS = 512  # resolved calls kept per communicator
 
@@ -116,8 +117,8 @@ class _Call:
         grid: tuple[int, int] | None,
         validate: bool,
     ) -> None:
-        if algorithm not in ALGORITHMS:
-            raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+        if algorithm not in COLLECTIVES:
+            raise ArgumentError(f"unknown collective {algorithm!r}; valid collectives: {', '.join(COLLECTIVES)}")
         self.red = reduction(op, flat.dtype, array_module(flat.data))
         if layout is not None:
             node_layout(comm, layout)  # an override is parsed locally: no communication
@@ -130,7 +131,7 @@ class _Call:
         self.signature = (flat.size, dtype_code(flat), validation.code(op), validation.code(algorithm), options)
         self.header = validation.header(None, self.signature)
         self.agreed = self.header * ctx.size  # every rank's header when all agree
-        self.operation = f"allreduce(algorithm={algorithm!r})"
+        self.operation = f"allreduce(collective={algorithm!r})"
         self.average = op == "avg"
         self.run: Run | None = None
         self.carrier: shm.Segment | None = None
@@ -147,7 +148,7 @@ class _Call:
         elif (
             not self.validate
             or not validation.check(
-                self.ctx, "allreduce", None, self.signature, _field_names, x if self.fuse else None, red
+                self.ctx, "allreduce", None, self.signature, _field_names, x if self.fuse else None, red, _FIELDS
             )
         ) and x.shape[0]:  # the data moves unless the check already carried it
             if type(x) is not np.ndarray:
@@ -160,7 +161,7 @@ class _Call:
         """The check riding in the shared segment: every rank's header against this one."""
         headers = seg.headers()
         if headers != self.agreed:
-            validation.verify(self.ctx, "allreduce", None, self.signature, _field_names, headers)
+            validation.verify(self.ctx, "allreduce", None, self.signature, _field_names, headers, _FIELDS)
 
     def find(self, x: Any) -> None:
         """Bind locally (no communication) if the plan, and for "auto" the algorithm
@@ -180,12 +181,12 @@ class _Call:
         ctx = self.ctx
         plan = ctx.cache.get(self.plan)
         if plan is None:
-            plan = ctx.cache[self.plan] = ALGORITHMS[self.algorithm](self.request)
+            plan = ctx.cache[self.plan] = COLLECTIVES[self.algorithm](self.request)
         name, run = self.algorithm, plan
         if isinstance(plan, _Auto):
             name = plan.algorithm_for(x.nbytes, _memory(x), self.validate)
             run = plan.runs[name]
-            self.operation = f"allreduce(algorithm='auto': {name!r})"  # what the stall inspector names
+            self.operation = f"allreduce(collective='auto': {name!r})"  # what the stall inspector names
             p2p.operation(self.operation)
         if self.validate and type(x) is np.ndarray and ctx.size > 1:
             self.carrier = run.carrier(ctx) if isinstance(run, Shm) else None
@@ -198,11 +199,12 @@ def allreduce(
     buf: Any,
     comm: MPI.Comm | None = None,
     op: str = "sum",
-    algorithm: str = DEFAULT_ALGORITHM,
+    collective: str = DEFAULT_COLLECTIVE,
     *,
     validate: bool | None = None,
     layout: RanksPerNode = None,
     grid: tuple[int, int] | None = None,
+    algorithm: str | None = None,
 ) -> Any:
     """Reduce ``buf`` element-wise across all ranks of ``comm``, in place, and return it.
 
@@ -214,10 +216,10 @@ def allreduce(
             the reduction over all ranks; every rank ends with
             bitwise-identical contents.
         comm: the communicator (default ``MPI.COMM_WORLD``). Every rank of it
-            must call with the same length, dtype, op, algorithm and options.
+            must call with the same length, dtype, op, collective and options.
         op: one of "sum", "avg", "min", "max", "prod" ("avg" needs floats).
-        algorithm: a name in :data:`ALGORITHMS`; "auto" picks by the cost
-            model (:func:`explain` says what and why).
+        collective: the all-reduce algorithm, a name in :data:`COLLECTIVES`;
+            "auto" picks by the cost model (:func:`explain` says what and why).
         validate: check arguments for agreement across ranks first (a header
             exchange, through shared memory where all ranks share a node).
             None uses the default (on unless ``MPIDL_VALIDATE=0``).
@@ -225,6 +227,8 @@ def allreduce(
             algorithms and "auto": one number or node sizes ("3,1").
         grid: (X, Y) for "torus2d", X * Y == number of ranks; default from
             the layout (ranks per node x nodes).
+        algorithm: the old name of ``collective`` (deprecated: a
+            ``DeprecationWarning``; removed in the next release).
 
     Returns:
         ``buf`` itself.
@@ -233,6 +237,7 @@ def allreduce(
         ArgumentError: invalid or disagreeing arguments; with validation on,
             raised on every rank before any data moved (``buf`` untouched).
     """
+    collective = renamed_keyword("allreduce", "algorithm", "collective", algorithm, collective, DEFAULT_COLLECTIVE)
     user = _WORLD if comm is None else comm
     ctx = context(user)
     check = validation.enabled(validate)
@@ -241,7 +246,7 @@ def allreduce(
             x, dtype = host_view(buf)
         else:
             x, dtype, _ = as_flat(buf)
-        key: Hashable = (algorithm, op, dtype, x.nbytes, type(x), check, layout, grid)
+        key: Hashable = (collective, op, dtype, x.nbytes, type(x), check, layout, grid)
         try:
             call = ctx.calls.get(key)
         except TypeError:  # an unhashable layout or grid (a list): key by its text
@@ -250,40 +255,54 @@ def allreduce(
         if call is None:
             if len(ctx.calls) >= _CALLS:
                 ctx.calls.clear()
-            call = ctx.calls[key] = _Call(ctx, user, algorithm, op, FlatBuffer(x, dtype, buf), layout, grid, check)
+            call = ctx.calls[key] = _Call(ctx, user, collective, op, FlatBuffer(x, dtype, buf), layout, grid, check)
     except ArgumentError as problem:
-        p2p.operation(f"allreduce({algorithm!r})")
+        p2p.operation(f"allreduce({collective!r})")
         if check:
-            validation.check(ctx, "allreduce", problem, (), _field_names)
+            validation.check(ctx, "allreduce", problem, (), _field_names, fields=_FIELDS)
         raise
     p2p.operation(call.operation)
     call(x)
     return buf
 
 
-def broadcast(buf: Any, comm: MPI.Comm | None = None, *, validate: bool | None = None) -> Any:
-    """Copy rank 0's ``buf`` into ``buf`` on every rank of ``comm``, in place, and return it.
+def broadcast(buf: Any, comm: MPI.Comm | None = None, *, root: int = 0, validate: bool | None = None) -> Any:
+    """Copy rank ``root``'s ``buf`` into ``buf`` on every rank of ``comm``, in place, and return it.
 
     A binomial tree (:func:`collectives.kernels.reduce_broadcast.broadcast`):
     ceil(lg p) (alpha + n beta). Buffers and validation as for
-    :func:`allreduce` (same length and dtype on every rank).
+    :func:`allreduce`: the same length, dtype and ``root`` on every rank, else
+    an ArgumentError on every rank before any data moved (a ``root`` outside
+    ``comm`` too).
     """
     ctx = context(_WORLD if comm is None else comm)
     p2p.operation("broadcast")
+    flat, problem = None, None
     try:
-        flat, problem = as_flat(buf), None
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < ctx.size:
+            raise ArgumentError(f"broadcast: root {root!r} is not a rank of the communicator's {ctx.size}")
+        flat = as_flat(buf)
     except ArgumentError as exc:
         flat, problem = None, exc
     if validation.enabled(validate):
-        signature = (0,) * 5 if flat is None else (flat.size, dtype_code(flat), 0, validation.code("broadcast"), 0)
-        validation.check(ctx, "broadcast", problem, signature, _field_names)
+        signature = (0,) * 5 if flat is None else (flat.size, dtype_code(flat), int(root), _BROADCAST, 0)
+        validation.check(ctx, "broadcast", problem, signature, _broadcast_field_names, fields=_BROADCAST_FIELDS)
     if flat is None:  # unchecked (a check raised already)
         raise problem or ArgumentError("broadcast: no buffer")
     if type(flat.data) is not np.ndarray:
         gpu.ensure(ctx.comm, flat)
     if flat.size:
-        reduce_broadcast.broadcast(flat.data, ctx.comm)
+        reduce_broadcast.broadcast(flat.data, ctx.comm, int(root))
     return buf
+
+
+_BROADCAST = validation.code("broadcast")  # tells a broadcast from another collective in the check
+_BROADCAST_FIELDS = ("length", "dtype", "root", "operation", "options")  # the broadcast's signature, for its errors
+
+
+def _broadcast_field_names() -> tuple[dict[int, str], ...]:
+    """Readable names of the broadcast's signature codes, for error messages."""
+    return ({}, DTYPE_CODES, {}, {_BROADCAST: "broadcast"})
 
 
 def explain(
@@ -295,7 +314,7 @@ def explain(
     device: str = "cpu",
     validate: bool | None = None,
 ) -> costmodel.Choice:
-    """What ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``comm`` (in
+    """What ``collective="auto"`` runs for a buffer of ``nbytes`` on ``comm`` (in
     host memory, or GPU memory with ``device="cuda"``; with the argument check
     as ``validate`` resolves, see :func:`allreduce`), every candidate's
     predicted time, and the reason (collective on first use: it may calibrate
@@ -313,7 +332,7 @@ def _choose(
 
 
 def cost_params(comm: MPI.Comm | None = None, *, layout: RanksPerNode = None, device: str = "cpu") -> costmodel.Params:
-    """The cost-model parameters ``algorithm="auto"`` uses on ``comm`` for host
+    """The cost-model parameters ``collective="auto"`` uses on ``comm`` for host
     (or, with ``device="cuda"``, GPU) buffers: loaded from ``MPIDL_COSTMODEL``,
     or calibrated on first use (collective) and cached on the communicator."""
     user = _WORLD if comm is None else comm
@@ -326,7 +345,7 @@ def _params(comm: MPI.Comm, lay: Layout, ctx: Context, xp: Any = np) -> costmode
     the entry point's own per-call overhead timed with an empty, unchecked all-reduce."""
     empty = np.zeros(0, np.float32)
     return calibration.params_for(
-        comm, lay, ctx.cache, xp, entry=lambda: allreduce(empty, comm, algorithm="ring", validate=False)
+        comm, lay, ctx.cache, xp, entry=lambda: allreduce(empty, comm, "sum", "ring", validate=False)
     )
 
 
@@ -343,4 +362,4 @@ def _memory(x: Any) -> Any:
 
 def _field_names() -> tuple[dict[int, str], ...]:
     """Readable names of the signature codes, for error messages."""
-    return ({}, DTYPE_CODES, {validation.code(op): op for op in OPS}, {validation.code(a): a for a in ALGORITHMS})
+    return ({}, DTYPE_CODES, {validation.code(op): op for op in OPS}, {validation.code(a): a for a in COLLECTIVES})

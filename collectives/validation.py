@@ -112,6 +112,7 @@ def check(
     names: Callable[[], Sequence[dict[int, str]]] = tuple,
     data: Any = None,
     red: Reduction | None = None,
+    fields: Sequence[str] = FIELDS[1:],
 ) -> bool:
     """Raise the same ArgumentError on every rank unless all agree and none has a problem.
 
@@ -127,6 +128,8 @@ def check(
         data: optionally, a host 1-D array of at most FUSE_LIMIT bytes to
             all-reduce with ``red`` by recursive doubling in the same messages
             (every rank must pass one, of the same size).
+        fields: what the error message calls the signature's fields (default
+            FIELDS[1:]).
 
     Returns:
         True if ``data`` was given and now holds the reduction.
@@ -135,7 +138,7 @@ def check(
     if seg is not None:
         seg.post(header(problem, signature))
         seg.barrier()
-        verify(ctx, what, problem, signature, names, seg.headers())
+        verify(ctx, what, problem, signature, names, seg.headers(), fields)
         return False
     f = fold_of(ctx.rank, ctx.size)
     nbytes = 0 if data is None else data.nbytes
@@ -185,7 +188,7 @@ def check(
     finally:
         blocked.since = 0.0
     if flag:
-        _raise(ctx, what, problem, signature, names())
+        _raise(ctx, what, problem, signature, names(), fields)
     if nbytes:
         np.copyto(data, mine)
     return bool(nbytes)
@@ -225,11 +228,12 @@ def verify(
     signature: Sequence[int],
     names: Callable[[], Sequence[dict[int, str]]],
     headers: bytes,
+    fields: Sequence[str] = FIELDS[1:],
 ) -> None:
     """Raise the same ArgumentError on every rank unless ``headers`` (every rank's
     :func:`header`, in rank order) are all alike and flag no problem."""
     if headers != headers[:_H] * ctx.size or headers[:8] != _CLEAR:
-        _raise(ctx, what, problem, signature, names())
+        _raise(ctx, what, problem, signature, names(), fields)
 
 
 def _status(ctx: Context) -> MPI.Status:
@@ -240,7 +244,12 @@ def _status(ctx: Context) -> MPI.Status:
 
 
 def _raise(
-    ctx: Context, what: str, problem: ArgumentError | None, signature: Sequence[int], names: Sequence[dict[int, str]]
+    ctx: Context,
+    what: str,
+    problem: ArgumentError | None,
+    signature: Sequence[int],
+    names: Sequence[dict[int, str]],
+    fields: Sequence[str],
 ) -> None:
     """Gather everyone's signature and problem, then raise the error every rank raises alike."""
     rows = ctx.comm.allgather((str(problem), None) if problem is not None else (None, tuple(signature)))
@@ -258,7 +267,7 @@ def _raise(
         if (column != column[0]).any():
             lookup = names[f] if f < len(names) else {}
             values = ", ".join(f"rank {r}: {lookup.get(int(v), int(v))}" for r, v in enumerate(column))
-            diffs.append(f"{FIELDS[f + 1]} differs across ranks ({values})")
+            diffs.append(f"{fields[f]} differs across ranks ({values})")
     raise ArgumentError(f"{what}: ranks disagree: {'; '.join(diffs)} (no data moved)", _minority(table))
 
 

@@ -104,7 +104,8 @@ def human(nbytes: int) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``mpidl bench`` options."""
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated message sizes (default {DEFAULT_SIZES})")
-    p.add_argument("--algorithms", default="all", help="comma-separated algorithm names, or 'all'")
+    p.add_argument("--collectives", default="all", help="comma-separated all-reduce algorithms (collectives), or 'all'")
+    p.add_argument("--algorithms", help=argparse.SUPPRESS)  # the old name of --collectives (deprecated)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "int32", "int64"])
     p.add_argument(
         "--device",
@@ -150,7 +151,7 @@ def candidates(names: Sequence[str], validate: bool, device: str = "cpu") -> dic
     out["native"] = lambda x: comm.Allreduce(x, other(x))
     out["native_inplace"] = lambda x: comm.Allreduce(MPI.IN_PLACE, x)
     for name in names:
-        out[name] = functools.partial(collectives.allreduce, comm=comm, op="sum", algorithm=name, validate=validate)
+        out[name] = functools.partial(collectives.allreduce, comm=comm, op="sum", collective=name, validate=validate)
     if device != "cuda":
         return out
     import cupy
@@ -411,12 +412,20 @@ def main(args: argparse.Namespace) -> int:
 
     comm = init()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    names = list(collectives.ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
-    unknown = [a for a in names if a not in collectives.ALGORITHMS]
+    chosen = args.collectives
+    if args.algorithms is not None:
+        if comm.Get_rank() == 0:
+            print(
+                "mpidl bench: --algorithms is deprecated and will be removed in the next release; use --collectives",
+                file=sys.stderr,
+            )
+        chosen = args.algorithms
+    names = list(collectives.COLLECTIVES) if chosen == "all" else chosen.split(",")
+    unknown = [a for a in names if a not in collectives.COLLECTIVES]
     if unknown:
         if comm.Get_rank() == 0:
             print(
-                f"mpidl bench: unknown algorithm(s) {unknown}; valid: {', '.join(collectives.ALGORITHMS)}",
+                f"mpidl bench: unknown collective(s) {unknown}; valid: {', '.join(collectives.COLLECTIVES)}",
                 file=sys.stderr,
             )
         return USAGE_EXIT_CODE

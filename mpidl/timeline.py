@@ -22,7 +22,7 @@ step's gradient (``compute``), the wait of a paced or slowed step (``paced``,
 with its slowdown ``factor``), the whole ``step()``, and the ``settle`` and
 ``evaluate`` between epochs; a script adds what it marks with :func:`span`.
 Every span carries the worker's ``step`` (counted from 0); buckets their
-size in ``bytes`` and their all-reduce ``algorithm``.
+size in ``bytes`` and their all-reduce ``collective``.
 
 The file is Chrome's Trace Event Format (the JSON object form), which
 Perfetto (https://ui.perfetto.dev) and ``chrome://tracing`` open, as

@@ -153,9 +153,9 @@ ALGORITHM_OPTIONS = (
     AlgorithmOption("--weights", "weights", "mixing weights on the graph (default uniform)", list(WEIGHTS)),
     AlgorithmOption(
         "--collective",
-        "algorithm",
+        "collective",
         "the all-reduce algorithm (default auto: the cost model's choice)",
-        list(collectives.ALGORITHMS),
+        list(collectives.COLLECTIVES),
     ),
     AlgorithmOption(
         "--layout",

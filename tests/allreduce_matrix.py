@@ -3,7 +3,7 @@
 Used by the pytest suite on communicators of 1..4 ranks and, as a script, under
 a separate ``mpiexec`` for 5..8 ranks::
 
-    mpiexec -n 6 python tests/allreduce_matrix.py [--algorithms ring,butterfly]
+    mpiexec -n 6 python tests/allreduce_matrix.py [--collectives ring,butterfly]
 
 Inputs differ per rank (identical inputs hide bugs). Integer results must equal
 ``MPI_Allreduce`` exactly; float results equal a float64 reference within the
@@ -114,7 +114,7 @@ def _one(
     mine = rank_input(rank, length, op)
     buf = make_buffer(mine, dtype, device)
     everyone = np.array(comm.allgather(mine)).reshape(n, length)
-    out = collectives.allreduce(buf, comm, op=op, algorithm=algorithm, **options)
+    out = collectives.allreduce(buf, comm, op=op, collective=algorithm, **options)
     got = to_host(buf)
     agree = len(set(comm.allgather(raw_bytes(buf)))) == 1
     problems = [] if out is buf else [f"{case}: did not return the caller's buffer"]
@@ -134,7 +134,7 @@ def _one(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algorithms", default=",".join(collectives.ALGORITHMS))
+    parser.add_argument("--collectives", default=",".join(collectives.COLLECTIVES))
     parser.add_argument("--layout", help="ranks per node override, e.g. 2 or 3,1")
     parser.add_argument("--grid", help="X,Y for torus2d")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k, v in (("layout", args.layout), ("grid", tuple(map(int, args.grid.split(","))) if args.grid else None))
         if v
     }
-    failures = check(comm, args.algorithms.split(","), available_dtypes(), device=args.device, **options)
+    failures = check(comm, args.collectives.split(","), available_dtypes(), device=args.device, **options)
     everyone = [f"rank {r}: {f}" for r, fs in enumerate(comm.gather(failures) or []) for f in fs]
     if comm.Get_rank() == 0:
         print("\n".join(everyone[:50]) or f"all-reduce matrix passed on {comm.Get_size()} ranks ({args.device})")

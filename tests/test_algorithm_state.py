@@ -29,15 +29,15 @@ DIM = 12
 
 #: Configurations whose runs are reproducible: a restored copy must match bit for bit.
 SYNC_CONFIGS = {
-    "allreduce": ("allreduce", {"algorithm": "ring"}),
+    "allreduce": ("allreduce", {"collective": "ring"}),
     "dpsgd": ("dpsgd", {"topology": "ring"}),
-    "lsgd-pairs": ("lsgd", {"layout": 2, "algorithm": "ring"}),
-    "lsgd-singletons": ("lsgd", {"layout": 1, "algorithm": "ring"}),
+    "lsgd-pairs": ("lsgd", {"layout": 2, "collective": "ring"}),
+    "lsgd-singletons": ("lsgd", {"layout": 1, "collective": "ring"}),
     "grsgd-synchronous": ("grsgd", {"max_lead": 0}),
     "prague-static-pairs": ("prague", {"policy": "static", "group_size": 2, "period": 2}),
-    "allreduce-topk": ("allreduce", {"algorithm": "ring", "compression": "topk:0.25"}),
-    "allreduce-sign": ("allreduce", {"algorithm": "ring", "compression": "sign"}),
-    "lsgd-pairs-sign": ("lsgd", {"layout": 2, "algorithm": "ring", "compression": "sign"}),
+    "allreduce-topk": ("allreduce", {"collective": "ring", "compression": "topk:0.25"}),
+    "allreduce-sign": ("allreduce", {"collective": "ring", "compression": "sign"}),
+    "lsgd-pairs-sign": ("lsgd", {"layout": 2, "collective": "ring", "compression": "sign"}),
     "dpsgd-choco-topk": ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}),
 }
 
@@ -163,7 +163,7 @@ def test_lsgd_on_a_torch_model_with_momentum() -> None:
             for p in model.parameters():
                 p.fill_(value)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        return model, opt, algorithms.create("lsgd", model, opt, comm, layout=2, algorithm="ring")
+        return model, opt, algorithms.create("lsgd", model, opt, comm, layout=2, collective="ring")
 
     def steps(model: Any, algo: algorithms.Algorithm, first: int) -> None:
         for t in range(first, first + 6):
@@ -201,7 +201,7 @@ def test_state_in_flight_or_of_another_model_is_refused_on_every_rank() -> None:
             algo.state_dict()
         algo.settle()
         assert algo.state_dict()["exchanges"] == [1] * len(algo.peers)
-    with algorithms.create("lsgd", x, SGD(x, lr=0.1), comm, layout=1, algorithm="ring") as algo:
+    with algorithms.create("lsgd", x, SGD(x, lr=0.1), comm, layout=1, collective="ring") as algo:
         algo.step(np.ones(DIM))
         state = {**algo.state_dict(), "delayed_sum": np.zeros(DIM + 1)}
         with pytest.raises(ValueError, match="delayed_sum has 13 elements of float64, the model 12 of float64"):
@@ -210,11 +210,11 @@ def test_state_in_flight_or_of_another_model_is_refused_on_every_rank() -> None:
 
 #: Compressed and CHOCO-SGD configurations (with the optimizer's momentum), and a key of their memories.
 MEMORIES = [
-    ("allreduce", {"algorithm": "ring", "compression": "topk:0.25"}, 0.0, "residual"),
-    ("allreduce", {"algorithm": "ring", "compression": "sign@reduce_scatter"}, 0.0, "server"),
-    ("allreduce", {"algorithm": "ring", "compression": "sign"}, 0.9, "velocity"),
-    ("allreduce", {"algorithm": "ring", "compression": "sign"}, 0.9, "velocity_started"),
-    ("lsgd", {"layout": 2, "algorithm": "ring", "compression": "sign"}, 0.0, "residual"),
+    ("allreduce", {"collective": "ring", "compression": "topk:0.25"}, 0.0, "residual"),
+    ("allreduce", {"collective": "ring", "compression": "sign@reduce_scatter"}, 0.0, "server"),
+    ("allreduce", {"collective": "ring", "compression": "sign"}, 0.9, "velocity"),
+    ("allreduce", {"collective": "ring", "compression": "sign"}, 0.9, "velocity_started"),
+    ("lsgd", {"layout": 2, "collective": "ring", "compression": "sign"}, 0.0, "residual"),
     ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}, 0.0, "public"),
     ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}, 0.0, "mixed"),
 ]
@@ -253,7 +253,7 @@ def test_lsgd_memory_starts_afresh_on_a_worker_that_was_no_representative() -> N
         pytest.skip("needs two groups")
     rank = comm.Get_rank()
     x = np.full(DIM, float(rank))
-    with algorithms.create("lsgd", x, SGD(x, lr=0.1), comm, layout=1, algorithm="ring", compression="sign") as algo:
+    with algorithms.create("lsgd", x, SGD(x, lr=0.1), comm, layout=1, collective="ring", compression="sign") as algo:
         for t in range(3):
             algo.step(gradient(x, rank, t))
         algo.settle()

@@ -78,7 +78,7 @@ def test_which_algorithms_take_uneven_steps() -> None:
         ("prague", {}),
         ("prague", {"policy": "static"}),
         ("dpsgd", {}),
-        ("allreduce", {"algorithm": "ring"}),
+        ("allreduce", {"collective": "ring"}),
     ]:
         x = np.zeros(DIM)
         with algorithms.create(name, x, SGD(x, lr=0.1), comm, **options) as algo:
@@ -89,7 +89,7 @@ def test_which_algorithms_take_uneven_steps() -> None:
         "prague {}": True,
         "prague {'policy': 'static'}": False,
         "dpsgd {}": False,
-        "allreduce {'algorithm': 'ring'}": False,
+        "allreduce {'collective': 'ring'}": False,
     }
 
 

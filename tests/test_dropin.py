@@ -28,18 +28,18 @@ nn = torch.nn
 
 #: The synchronous configurations: (algorithm, options).
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "allreduce": ("allreduce", {"algorithm": "ring", "overlap": False}),
-    "allreduce-overlap": ("allreduce", {"algorithm": "ring", "overlap": True, "bucket_mb": 1 / 1024}),
-    "allreduce-shm": ("allreduce", {"algorithm": "shm", "overlap": True, "bucket_mb": 1 / 1024}),
+    "allreduce": ("allreduce", {"collective": "ring", "overlap": False}),
+    "allreduce-overlap": ("allreduce", {"collective": "ring", "overlap": True, "bucket_mb": 1 / 1024}),
+    "allreduce-shm": ("allreduce", {"collective": "shm", "overlap": True, "bucket_mb": 1 / 1024}),
     "dpsgd": ("dpsgd", {"overlap": False}),
     "dpsgd-overlap": ("dpsgd", {"overlap": True}),
-    "lsgd": ("lsgd", {"algorithm": "ring"}),
-    "lsgd-groups": ("lsgd", {"algorithm": "ring", "layout": 1}),  # a group per rank: the delayed pipeline
+    "lsgd": ("lsgd", {"collective": "ring"}),
+    "lsgd-groups": ("lsgd", {"collective": "ring", "layout": 1}),  # a group per rank: the delayed pipeline
 }
 #: The configurations whose workers apply the same averaged gradient.
 AVERAGING = [name for name in CONFIGS if not name.startswith("dpsgd")]
 #: AllReduce-SGD with the update fused with the all-reduce in shared memory (two or more ranks).
-FUSED = {"allreduce-fused": ("allreduce", {"algorithm": "shm", "overlap": False})}
+FUSED = {"allreduce-fused": ("allreduce", {"collective": "shm", "overlap": False})}
 
 
 def cnn(batchnorm: bool = False) -> nn.Module:

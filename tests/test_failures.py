@@ -59,9 +59,8 @@ def test_stalled_collective_is_reported_then_aborts_the_job() -> None:
     assert reports, err[-3000:]
     # The others wait in the all-reduce: some for rank 1 itself, some (on more
     # ranks) for those waiting for it.
-    assert all(rank != "1" and operation == "allreduce(algorithm='ring')" for rank, _, operation, _, _ in reports), err[
-        -3000:
-    ]
+    ring = "allreduce(collective='ring')"
+    assert all(rank != "1" and operation == ring for rank, _, operation, _, _ in reports), err[-3000:]
     assert any("1" in peers.split(", ") for _, _, _, peers, _ in reports), err[-3000:]
     assert any(tail == WARNED for *_, tail in reports), err[-3000:]
     assert any(tail == ABORTED and int(waited) >= STALL_ABORT for _, waited, _, _, tail in reports), err[-3000:]

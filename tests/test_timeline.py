@@ -112,7 +112,7 @@ def test_a_recorded_script_gives_each_rank_its_steps_in_order(model: str, tmp_pa
     rng = np.random.default_rng(comm.rank)
     if model == "numpy":
         x = np.zeros(40)
-        algo = AllReduceSGD(x, SGD(x, lr=0.1), comm, algorithm="ring")
+        algo = AllReduceSGD(x, SGD(x, lr=0.1), comm, collective="ring")
 
         def gradient() -> None:
             algo.optimizer.grad[:] = rng.standard_normal(40)
@@ -122,7 +122,7 @@ def test_a_recorded_script_gives_each_rank_its_steps_in_order(model: str, tmp_pa
 
         net = mlp()
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        algo = AllReduceSGD(net, opt, comm, algorithm="ring", bucket_mb=SMALL_BUCKETS, overlap=model == "overlap")
+        algo = AllReduceSGD(net, opt, comm, collective="ring", bucket_mb=SMALL_BUCKETS, overlap=model == "overlap")
 
         def gradient() -> None:
             algo.zero_grad()

@@ -357,7 +357,7 @@ def test_slow_parsing() -> None:
 
 def test_algorithm_options_go_to_the_algorithms_that_take_them() -> None:
     cfg = config_from_args(_args("--algorithm", "lsgd", "--collective", "ring", "--layout", "2"))
-    assert cfg.options == {"algorithm": "ring", "layout": "2"}
+    assert cfg.options == {"collective": "ring", "layout": "2"}
     assert config_from_args(_args("--algorithm", "dpsgd", "--topology", "torus")).options == {"topology": "torus"}
     assert config_from_args(_args("--algorithm", "allreduce")).options == {}
     with pytest.raises(UsageError, match="--topology does not apply to --algorithm allreduce"):

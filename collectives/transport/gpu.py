@@ -36,7 +36,7 @@ reductions on device 0 (a context there that nobody asked for, kernels on
 another device's arrays). So every thread that touches device buffers, other
 than the caller's, calls :func:`use_device` with the device of the buffer it
 serves (:func:`device_of`) when it starts: the training algorithms'
-service threads (:class:`algorithms.background.Background`, AD-PSGD's
+service threads (:class:`collectives.transport.background.Background`, AD-PSGD's
 server). For host buffers that is nothing, once per thread. The caller's own
 thread is the caller's to set (``torch.cuda.set_device``), as with any CUDA
 library; ``mpidl train`` sets the rank's device.

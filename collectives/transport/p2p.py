@@ -15,7 +15,7 @@ to the device when it completes). The buffer of a pending transfer must not be
 touched until it has completed.
 
 Threads that wait for a peer while the process computes (the service
-threads of :class:`algorithms.background.Background`) poll instead of
+threads of :class:`collectives.transport.background.Background`) poll instead of
 blocking: a blocking MPI call busy-waits and would take a core from the
 computation. Such a thread calls :func:`poll_waits` once, and from then on
 every wait of this module, blocking calls included, tests its transfers with

@@ -4,7 +4,7 @@
 layout — exchanges inside and across nodes, a reducing exchange, the
 shared-memory algorithm, every message-passing plan on 8 bytes — and fits
 :class:`~collectives.tuning.costmodel.Params` to it.
-:func:`params_for` is what ``algorithm="auto"`` asks: the parameters loaded
+:func:`params_for` is what ``collective="auto"`` asks: the parameters loaded
 from ``MPIDL_COSTMODEL`` if that file exists (rank 0 reads it for all), else
 measured once per communicator (collective), cached, and written to that
 file. Every collective wait of the calibration is shown to the stall

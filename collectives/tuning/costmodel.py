@@ -48,7 +48,7 @@ communicates. The parameters are measured by
 :func:`collectives.tuning.calibration.calibrate` (ping-pong exchanges inside
 and across nodes, a timed reduction, the shared-memory algorithm timed at two
 sizes) and can be saved to and loaded from JSON (:meth:`Params.save`,
-:meth:`Params.load`; ``MPIDL_COSTMODEL=FILE`` makes ``algorithm="auto"`` load
+:meth:`Params.load`; ``MPIDL_COSTMODEL=FILE`` makes ``collective="auto"`` load
 a file instead of measuring).
 """
 
@@ -320,7 +320,7 @@ def predict(
 
 @dataclass
 class Choice:
-    """What ``algorithm="auto"`` picks for a size, and why."""
+    """What ``collective="auto"`` picks for a size, and why."""
 
     algorithm: str
     nbytes: int

@@ -65,7 +65,7 @@ def allreduce_times(comm: MPI.Comm, config: train.TrainConfig, repeat: int, poll
     net.make_optimizer(config.lr, config.momentum)
     with algorithms.AllReduceSGD(net.model, net.optimizer, comm, **config.options) as algo:
         grad = np.zeros(algo.flat.size, np.float32)
-        buckets = [(grad[b.start : b.stop], alg) for b, alg in zip(algo.buckets, algo.bucket_algorithms)]
+        buckets = [(grad[b.start : b.stop], alg) for b, alg in zip(algo.buckets, algo.bucket_collectives)]
         layout = algo.layout
     blocking = p2p.poll_waits(polled)
     try:

@@ -181,5 +181,5 @@ for step in range(100000):
             os.kill(os.getpid(), signal.SIGKILL)
         elif mode == "exit":
             os._exit(1)
-    collectives.allreduce(x, comm, algorithm="ring")
+    collectives.allreduce(x, comm, collective="ring")
     x[:] = 1.0
