@@ -17,6 +17,7 @@ what it gathered and reduced, e.g.::
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
@@ -64,7 +65,7 @@ def main() -> None:
     seen = torch.tensor([[rank, step] for step in range(batches)])  # 2 + rank rows on rank r
     gathered = mpidl.allgather(seen)  # hvd.allgather(seen)
     mpidl.synchronize(handle)  # hvd.synchronize(handle)
-    print(
+    record = (
         json.dumps(
             {
                 "rank": rank,
@@ -77,9 +78,11 @@ def main() -> None:
                 "batches": steps.item(),
                 "gathered": gathered.tolist(),
             }
-        ),
-        flush=True,
+        )
+        + "\n"
     )
+    sys.stdout.write(record)  # one write: the ranks' lines do not interleave
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
