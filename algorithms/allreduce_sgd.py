@@ -319,8 +319,9 @@ class AllReduceSGD(Algorithm):
         if self.bucket_mb is None and self._compression is not None and not self.overlap:
             self.buckets = plan(self.flat.sizes, self.flat.trainable, max(1, self.flat.size))
         device = self.flat.memory
+        dtype = self.flat.dtype
         self.choice = (
-            collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device)
+            collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device, dtype=dtype, op="avg")
             if self.algorithm == "auto"
             else None
         )
@@ -329,7 +330,13 @@ class AllReduceSGD(Algorithm):
         for b in self.buckets:
             if self.algorithm == "auto" and b.size not in resolved:
                 choice = collectives.explain(
-                    b.size * itemsize, self.comm, layout=self.layout, device=device, validate=False
+                    b.size * itemsize,
+                    self.comm,
+                    layout=self.layout,
+                    device=device,
+                    validate=False,
+                    dtype=dtype,
+                    op="avg",
                 )
                 resolved[b.size] = choice.algorithm
         self.bucket_algorithms = tuple(resolved.get(b.size, self.algorithm) for b in self.buckets)

@@ -3,10 +3,12 @@
 ``allreduce(buf, comm, op, algorithm)`` reduces a numpy array or torch tensor
 in place; :data:`ALGORITHMS` names the algorithms, each in its own module
 (``ring``, ``halving_doubling``, ``butterfly``, ``reduce_broadcast``,
-``hierarchical_ring``, ``torus2d``, ``shm``) whose kernel is public for composition, as
-are the ring's ``reduce_scatter`` and ``allgather``; "auto" picks one with the
-cost model (:mod:`collectives.tuning.costmodel`), and :func:`explain` says which and
-why. ``broadcast(buf, comm)`` copies rank 0's buffer to every rank.
+``hierarchical_ring``, ``torus2d``, ``shm``, and ``mpi``: the MPI library's own)
+whose kernel is public for composition, as are the ring's ``reduce_scatter``
+and ``allgather``; "auto" picks the one measured fastest for each size
+(:mod:`collectives.tuning`: calibration at the sizes used, a persisted cache,
+online tuning; :func:`set_tuning` switches), and :func:`explain` says which,
+from where and why. ``broadcast(buf, comm)`` copies rank 0's buffer to every rank.
 
 ``neighbor_allreduce(buf, weights, comm)`` averages each rank's buffer with its
 in-neighbors' over a graph (:mod:`collectives.partial.neighbor`), one row of a mixing
@@ -34,6 +36,7 @@ from .partial.neighbor import NeighborWeights, neighbor_allreduce
 from .partial.preduce import GROUP_KERNELS, PReduce, PReduceStats
 from .transport.buffers import DTYPES, FlatBuffer, as_flat
 from .transport.ops import OPS, Reduction, reduction
+from .tuning.settings import TuningSettings, set_tuning
 
 __all__ = [
     "ALGORITHMS",
@@ -54,6 +57,7 @@ __all__ = [
     "PReduce",
     "PReduceStats",
     "Reduction",
+    "TuningSettings",
     "allgather",
     "allreduce",
     "as_flat",
@@ -66,6 +70,7 @@ __all__ = [
     "neighbor_exchange",
     "reduce_scatter",
     "reduction",
+    "set_tuning",
     "static_group",
     "static_groups",
 ]
