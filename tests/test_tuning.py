@@ -175,6 +175,12 @@ def test_file_not_saved_under_this_key_is_not_used(fresh: MPI.Intracomm, measure
     assert all_ok(world, choice.source == "calibration" and sorted(measured) == [4 * KIB, 8 * KIB]), choice.reason
 
 
+def tune_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online tuning finds every candidate close, at every size (so the three fastest are tuned)."""
+    monkeypatch.setattr(online, "CLOSE", 1e9)
+    monkeypatch.setattr(online, "SHORTEST", 0.0)
+
+
 def calls_until_decided(comm: MPI.Comm, x: np.ndarray, expected: float, most: int = 30) -> int:
     """All-reduce ``x`` (each rank's ones times rank + 1) with auto until explain says
     online tuning chose; every result must be exact. The number of calls."""
@@ -196,7 +202,7 @@ def test_online_tuning_runs_the_close_candidates_agrees_and_persists(
     kept on every rank, and a later communicator of the same shape uses it at once."""
     if fresh.size == 1:
         pytest.skip("one rank has nothing to tune")
-    monkeypatch.setattr(online, "CLOSE", 1e9)
+    tune_everything(monkeypatch)
     p, x = fresh.size, np.zeros(10 * KIB, np.float32)
     calls = calls_until_decided(fresh, x, p * (p + 1) / 2)
     choice = collectives.explain(x.nbytes, fresh)
@@ -221,7 +227,7 @@ def test_ranks_follow_rank_0s_switches(fresh: MPI.Intracomm, monkeypatch: pytest
     waiting, or mixed algorithms)."""
     if fresh.size == 1:
         pytest.skip("one rank has nothing to tune")
-    monkeypatch.setattr(online, "CLOSE", 1e9)
+    tune_everything(monkeypatch)
     collectives.set_tuning(online=fresh.rank == 0)
     p, x = fresh.size, np.zeros(12 * KIB, np.float32)
     assert all_ok(fresh, calls_until_decided(fresh, x, p * (p + 1) / 2) > 1)
@@ -235,7 +241,7 @@ def test_deterministic_tuning_leaves_the_callers_buffer_to_one_algorithm(
     its result has the winner's bits (summation order) and the choice is made."""
     if fresh.size == 1:
         pytest.skip("one rank has nothing to tune")
-    monkeypatch.setattr(online, "CLOSE", 1e9)
+    tune_everything(monkeypatch)
     collectives.set_tuning(deterministic=True)
     rng = np.random.default_rng(fresh.rank)
     values = (rng.standard_normal(9 * KIB // 4) * 10.0 ** rng.integers(-6, 7, 9 * KIB // 4)).astype(np.float32)

@@ -3,8 +3,9 @@
 As STAR-MPI does (Faraj, Yuan & Lowenthal, "STAR-MPI: self tuned adaptive
 routines for MPI collective operations", ICS 2006): where the calibration
 leaves two or more candidates within :data:`CLOSE` of the fastest for a size
-(at most :data:`MOST`), ``auto`` runs them on the next calls of that size band
-in turn, :func:`rounds` calls each, timing each call on every rank. After the
+(at most :data:`MOST`; calls of at least :data:`SHORTEST`), ``auto`` runs
+them on the next calls of that size band in turn, :func:`rounds` calls each,
+timing each call on every rank. After the
 last, one ``MPI_Allreduce`` of the timings agrees on them: per call the
 least of the ranks' times (the rank that arrived last waited for no one, so
 its time is the collective's own, whatever the ranks' arrival skew), per
@@ -44,13 +45,20 @@ CLOSE = 1.2
 MOST = 3
 #: Seconds of calls each candidate aims for (within the bounds of :func:`rounds`).
 TUNE_TIME = 1e-3
+#: Calls shorter than this (seconds) are not tuned: a single call's time there is
+#: mostly the jitter of the machine, and the calibration's batches of calls
+#: measured it better.
+SHORTEST = 100e-6
 
 
 def close(predictions: Mapping[str, float]) -> list[str]:
     """The candidates worth tuning among ``predictions`` (seconds, least first): those
-    within :data:`CLOSE` of the first, at most :data:`MOST`."""
+    within :data:`CLOSE` of the first, at most :data:`MOST`; none where the first
+    takes less than :data:`SHORTEST`."""
     ranked = list(predictions)
     best = predictions[ranked[0]]
+    if best < SHORTEST:
+        return []
     return [c for c in ranked if predictions[c] <= CLOSE * best][:MOST]
 
 

@@ -40,7 +40,7 @@ from ..topology.layout import Layout
 from ..transport import gpu
 from . import cache, online, settings, sweep
 from .costmodel import MODELS, Choice, Params, check_rides, choose
-from .table import Table, band_key, needed
+from .table import Table, needed
 from .waits import waiting
 
 
@@ -69,19 +69,21 @@ class Selector:
     def choose(self, nbytes: int, xp: Any = np, validate: bool = False, dtype_ok: bool = True) -> Choice:
         """What ``auto`` runs for ``nbytes`` of ``xp`` memory now, every candidate's time
         and the reason (collective where a grid size or the check must be measured)."""
-        names = self.candidates(xp, dtype_ok)
         if self.ctx.size == 1:
-            return Choice(names[0], nbytes, {}, f"auto: {names[0]} for {nbytes} B: one rank, nothing moves", "one rank")
+            name = self.candidates(xp, dtype_ok)[0]
+            return Choice(name, nbytes, {}, f"auto: {name} for {nbytes} B on 1 rank: nothing moves", "one rank")
         if self.model:
-            return choose(nbytes, self.layout, self.params(xp), self.grid, names, validate)
-        memory, table = self.table(xp)
+            return choose(nbytes, self.layout, self.params(xp), self.grid, self.candidates(xp, dtype_ok), validate)
+        memory, table = self.table(xp)  # first: it probes the device transport, which decides "mpi"
+        names = self.candidates(xp, dtype_ok)
         for size in needed(nbytes):
             if size not in table.points:
                 self._measure(memory, table, size, xp)
         if validate and table.check is None:
             table.check = sweep.check_time(self.ctx)
             self.changed.add(memory)
-        choice = table.decide(nbytes, names, validate, lambda name: check_rides(name, nbytes, self.layout))
+        where = f"on {self.ctx.size} ranks ({self.layout})"
+        choice = table.decide(nbytes, names, validate, lambda name: check_rides(name, nbytes, self.layout), where)
         tune = online.close(choice.predictions) if choice.source.endswith("calibration") else []
         if len(tune) > 1 and settings.current().online:
             choice.reason += f" (online tuning among {', '.join(tune)} decides on the first calls)"
@@ -97,7 +99,7 @@ class Selector:
         if len(names) < 2:
             return None
         memory, table = self.table(xp)
-        key = band_key(choice.nbytes, [c for c in self.candidates(xp, dtype_ok) if c not in table.excluded])
+        key = table.band(choice.nbytes, self.candidates(xp, dtype_ok))
         session = self.sessions.get((memory, key))
         if session is None:
             with waiting(self.ctx.comm, "Bcast of the tuning settings", "auto's online tuning"):

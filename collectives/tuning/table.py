@@ -83,15 +83,25 @@ class Table:
         (s0, s1), (t0, t1) = sizes, times
         return max(t0 + (nbytes - s0) * (t1 - t0) / (s1 - s0), 0.0)
 
+    def band(self, nbytes: int, candidates: Iterable[str]) -> str:
+        """The key of online tuning's times for ``nbytes`` among ``candidates`` (those
+        not excluded; :func:`band_key`)."""
+        return band_key(nbytes, [c for c in candidates if c not in self.excluded])
+
     def decide(
-        self, nbytes: int, candidates: Iterable[str], validate: bool, check_rides: Callable[[str], bool]
+        self,
+        nbytes: int,
+        candidates: Iterable[str],
+        validate: bool,
+        check_rides: Callable[[str], bool],
+        where: str = "",
     ) -> Choice:
         """The candidate with the least estimated time for ``nbytes`` (with the argument
-        check if ``validate``), every candidate's estimate and the reason; the
-        grid sizes :func:`needed` names must be measured."""
+        check if ``validate``), every candidate's estimate and the reason (``where``:
+        the communicator, for it); the grid sizes :func:`needed` names must be measured."""
         candidates = list(candidates)
         names = [c for c in candidates if c not in self.excluded]
-        key = band_key(nbytes, names)
+        key = self.band(nbytes, candidates)
         tuned = self.tuned.get(key)
         if tuned:
             times, source = dict(tuned), "online tuning"
@@ -108,7 +118,7 @@ class Table:
         runner = f", next {ranked[1]} {preds[ranked[1]] * 1e6:.1f} us" if len(ranked) > 1 else ""
         left_out = "".join(f"; {c} left out: {why}" for c, why in self.excluded.items() if c in candidates)
         reason = (
-            f"auto: {best} for {nbytes} B, {'checked' if validate else 'unchecked'}: {source}, "
+            f"auto: {best} for {nbytes} B {where}, {'checked' if validate else 'unchecked'}: {source}, "
             f"{preds[best] * 1e6:.1f} us, the least of {len(preds)}{runner}{left_out}"
         )
         return Choice(best, nbytes, {c: preds[c] for c in ranked}, reason, source)
