@@ -329,8 +329,9 @@ class AllReduceSGD(Algorithm):
         if self.bucket_mb is None and self._compression is not None and not self.overlap:
             self.buckets = plan(self.flat.sizes, self.flat.trainable, max(1, self.flat.size))
         device = self.flat.memory
+        dtype = self.flat.dtype
         self.choice = (
-            collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device)
+            collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device, dtype=dtype, op="avg")
             if self.collective == "auto"
             else None
         )
@@ -339,7 +340,13 @@ class AllReduceSGD(Algorithm):
         for b in self.buckets:
             if self.collective == "auto" and b.size not in resolved:
                 choice = collectives.explain(
-                    b.size * itemsize, self.comm, layout=self.layout, device=device, validate=False
+                    b.size * itemsize,
+                    self.comm,
+                    layout=self.layout,
+                    device=device,
+                    validate=False,
+                    dtype=dtype,
+                    op="avg",
                 )
                 resolved[b.size] = choice.algorithm
         self.bucket_collectives = tuple(resolved.get(b.size, self.collective) for b in self.buckets)

@@ -198,7 +198,7 @@ class LSGD(Algorithm):
         """Make "auto" choose (and calibrate, for the model's memory) now, not inside a
         step, where its time and messages would count as the step's."""
         if self.collective == "auto":
-            collectives.explain(self.flat.nbytes, comm, device=self.flat.memory)
+            collectives.explain(self.flat.nbytes, comm, device=self.flat.memory, dtype=self.flat.dtype, op="avg")
 
     def _step(self) -> None:
         self._synchronize()

@@ -3,10 +3,12 @@
 ``allreduce(buf, comm, op, collective)`` reduces a numpy array or torch tensor
 in place; :data:`COLLECTIVES` names its algorithms (the collectives), each in its own module
 (``ring``, ``halving_doubling``, ``butterfly``, ``reduce_broadcast``,
-``hierarchical_ring``, ``torus2d``, ``shm``) whose kernel is public for composition, as
-are the ring's ``reduce_scatter`` (here) and ``allgather``
-(:mod:`collectives.kernels.ring`); "auto" picks one with the cost model
-(:mod:`collectives.tuning.costmodel`), and :func:`explain` says which and why.
+``hierarchical_ring``, ``torus2d``, ``shm``, and ``mpi``: the MPI library's own)
+whose kernel is public for composition, as are the ring's ``reduce_scatter``
+(here) and ``allgather`` (:mod:`collectives.kernels.ring`); "auto" picks the
+one measured fastest for each size (:mod:`collectives.tuning`: calibration at
+the sizes used, a persisted cache, online tuning; :func:`set_tuning` switches),
+and :func:`explain` says which, from where and why.
 ``allreduce_async(buf, comm, op, collective)`` runs it on a service thread and returns
 a :class:`Handle` to ``wait()`` for (:mod:`collectives.nonblocking`).
 ``broadcast(buf, comm, root=0)`` copies rank ``root``'s buffer to every rank;
@@ -43,6 +45,7 @@ from .partial.neighbor import NeighborWeights, neighbor_allreduce
 from .partial.preduce import GROUP_KERNELS, PReduce, PReduceStats
 from .transport.buffers import DTYPES, FlatBuffer, as_flat
 from .transport.ops import OPS, Reduction, reduction
+from .tuning.settings import TuningSettings, set_tuning
 
 __all__ = [
     "COLLECTIVES",
@@ -64,6 +67,7 @@ __all__ = [
     "PReduce",
     "PReduceStats",
     "Reduction",
+    "TuningSettings",
     "allgather",
     "allreduce",
     "allreduce_async",
@@ -77,6 +81,7 @@ __all__ = [
     "neighbor_exchange",
     "reduce_scatter",
     "reduction",
+    "set_tuning",
     "static_group",
     "static_groups",
     "synchronize",

@@ -25,15 +25,15 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
 from . import validation
 from .errors import ArgumentError, renamed_keyword
-from .kernels import reduce_broadcast, shm
-from .kernels.plans import PLANNERS, Planner, Request, Run, Shm
+from .kernels import native, reduce_broadcast, shm
+from .kernels.plans import PLANNERS, Request, Run, Shm
 from .topology import hierarchy
 from .topology.layout import Layout, RanksPerNode
 from .topology.layout import layout as node_layout
@@ -42,37 +42,60 @@ from .transport.buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, d
 from .transport.context import Context, context
 from .transport.ops import OPS, Reduction, reduction
 from .tuning import calibration, costmodel
+from .tuning.online import Session
+from .tuning.selector import Selector
 
 log = logging.getLogger("collectives.auto")
 
 
 class _Auto:
-    """The "auto" plan: per buffer size (and memory), the algorithm the cost model predicts fastest."""
+    """The "auto" plan: per size, memory and dtype, the algorithm measured fastest on this
+    communicator (:mod:`collectives.tuning.selector`: calibration where the sizes are,
+    the persisted cache, online tuning), or with ``MPIDL_COSTMODEL`` the cost model's."""
 
     def __init__(self, req: Request) -> None:
-        self.req = req
-        self.layout = node_layout(req.comm, req.layout)
-        self.runs = {name: PLANNERS[name](req) for name in _candidates(req.ctx, self.layout, np)}
-        self.chosen: dict[tuple[int, Any, bool], str] = {}
+        comm, lay = req.comm, node_layout(req.comm, req.layout)
+        self.selector = Selector(req, lay, lambda xp: _params(comm, lay, req.ctx, xp))
+        self.chosen: dict[tuple[int, Any, bool, bool], str] = {}
+        self.tuning: dict[tuple[int, Any, bool, bool], Session] = {}
 
-    def algorithm_for(self, nbytes: int, xp: Any = np, validate: bool = False) -> str:
-        """The algorithm run for ``nbytes`` of ``xp`` memory, with or without the
-        argument check (chosen once per case, logged at DEBUG; collective on the
-        first use of a kind of memory: it calibrates that memory's cost model,
-        and only that one)."""
-        name = self.chosen.get((nbytes, xp, validate))
+    def decided(self, x: Any, red: Reduction, validate: bool) -> bool:
+        """Whether the algorithm for ``x`` (size, memory, dtype) is chosen already (local)."""
+        return _key(x, red, validate) in self.chosen
+
+    def resolve(self, x: Any, red: Reduction, validate: bool) -> tuple[str | None, Run]:
+        """The algorithm for ``x`` and its plan, chosen once per case (logged at DEBUG);
+        while the size band is tuned online, (None, the tuning) runs the call instead.
+        Collective where it measures, loads or tunes (:class:`Selector`)."""
+        key = _key(x, red, validate)
+        name = self.chosen.get(key)
         if name is None:
-            choice = _choose(self.req.ctx, self.req.comm, self.layout, nbytes, self.req.grid, xp, validate)
+            session = self.tuning.get(key)
+            if session is not None:
+                if session.result is None:
+                    return None, session
+                del self.tuning[key]
+            _, xp, _, dtype_ok = key
+            choice = self.selector.choose(x.nbytes, xp, validate, dtype_ok)
             log.debug("%s", choice.reason)
-            name = self.chosen[nbytes, xp, validate] = choice.algorithm
-        return name
+            session = self.selector.session(choice, xp, dtype_ok)
+            if session is not None and not session.deterministic:
+                self.tuning[key] = session
+                return None, session
+            if session is not None:
+                session.rehearse(x, red)
+                choice = self.selector.choose(x.nbytes, xp, validate, dtype_ok)
+                log.debug("%s", choice.reason)
+            name = self.chosen[key] = choice.algorithm
+        return name, self.selector.runs[name]
 
-    def __call__(self, x: Any, red: Reduction) -> None:
-        self.runs[self.algorithm_for(x.nbytes, _memory(x))](x, red)
+    def free(self) -> None:
+        """Persist what was measured and tuned (:meth:`Selector.save`)."""
+        self.selector.save()
 
 
 #: Registered all-reduce algorithms (``collective=`` of the entry points): name -> planner.
-COLLECTIVES: dict[str, Planner] = {**PLANNERS, "auto": _Auto}
+COLLECTIVES: dict[str, Callable[[Request], Any]] = {**PLANNERS, "auto": _Auto}
 
 DEFAULT_COLLECTIVE = "auto"
 _FIELDS = ("length", "dtype", "op", "collective", "options")  # the all-reduce's signature, for its errors
@@ -120,6 +143,8 @@ class _Call:
         if algorithm not in COLLECTIVES:
             raise ArgumentError(f"unknown collective {algorithm!r}; valid collectives: {', '.join(COLLECTIVES)}")
         self.red = reduction(op, flat.dtype, array_module(flat.data))
+        if algorithm == "mpi" and native.unsupported(flat.dtype, op):
+            raise ArgumentError(str(native.unsupported(flat.dtype, op)))
         if layout is not None:
             node_layout(comm, layout)  # an override is parsed locally: no communication
         if grid is not None:
@@ -127,7 +152,7 @@ class _Call:
         options = 0 if layout is None and grid is None else validation.code(repr((layout, grid)))
         self.ctx, self.algorithm, self.validate = ctx, algorithm, validate
         self.request = Request(comm, ctx, layout, grid)
-        self.plan = ("plan", algorithm, repr((layout, grid)))  # the plan's key in ctx.cache
+        self.plan = _plan_key(algorithm, layout, grid)
         self.signature = (flat.size, dtype_code(flat), validation.code(op), validation.code(algorithm), options)
         self.header = validation.header(None, self.signature)
         self.agreed = self.header * ctx.size  # every rank's header when all agree
@@ -173,7 +198,7 @@ class _Call:
         whatever resolved calls each rank has kept (:data:`_CALLS`).
         """
         plan = self.ctx.cache.get(self.plan)
-        if plan is not None and (not isinstance(plan, _Auto) or (x.nbytes, _memory(x), self.validate) in plan.chosen):
+        if plan is not None and (not isinstance(plan, _Auto) or plan.decided(x, self.red, self.validate)):
             self.bind(x)
 
     def bind(self, x: Any) -> Run:
@@ -184,8 +209,10 @@ class _Call:
             plan = ctx.cache[self.plan] = COLLECTIVES[self.algorithm](self.request)
         name, run = self.algorithm, plan
         if isinstance(plan, _Auto):
-            name = plan.algorithm_for(x.nbytes, _memory(x), self.validate)
-            run = plan.runs[name]
+            chosen, run = plan.resolve(x, self.red, self.validate)
+            if chosen is None:  # tuned online: this call runs a candidate, and stays unbound
+                return run
+            name = chosen
             self.operation = f"allreduce(collective='auto': {name!r})"  # what the stall inspector names
             p2p.operation(self.operation)
         if self.validate and type(x) is np.ndarray and ctx.size > 1:
@@ -313,22 +340,28 @@ def explain(
     grid: tuple[int, int] | None = None,
     device: str = "cpu",
     validate: bool | None = None,
+    dtype: str = "float32",
+    op: str = "sum",
 ) -> costmodel.Choice:
-    """What ``collective="auto"`` runs for a buffer of ``nbytes`` on ``comm`` (in
-    host memory, or GPU memory with ``device="cuda"``; with the argument check
-    as ``validate`` resolves, see :func:`allreduce`), every candidate's
-    predicted time, and the reason (collective on first use: it may calibrate
-    the cost model)."""
+    """What ``collective="auto"`` runs for a buffer of ``nbytes`` of ``dtype``, reduced
+    with ``op``, on ``comm`` (in host memory, or GPU memory with ``device="cuda"``; with the
+    argument check as ``validate`` resolves, see :func:`allreduce`), every
+    candidate's time (measured, or the cost model's prediction), least first,
+    where the choice comes from (``source``: the model, the calibration, online
+    tuning, either of those two cached) and the reason. Collective on the first
+    use of a communicator and of a size: it may load the cache and measure the
+    candidates at the grid sizes around ``nbytes``."""
     user = _WORLD if comm is None else comm
+    ctx = context(user)
+    node_layout(user, layout)  # an override is checked locally
+    if grid is not None:
+        hierarchy.check_grid(grid, ctx.size)
     xp = np if device == "cpu" else importlib.import_module("cupy")
-    return _choose(context(user), user, node_layout(user, layout), nbytes, grid, xp, validation.enabled(validate))
-
-
-def _choose(
-    ctx: Context, comm: MPI.Comm, lay: Layout, nbytes: int, grid: tuple[int, int] | None, xp: Any, validate: bool
-) -> costmodel.Choice:
-    """The cost model's choice for ``auto`` (collective on first use: it may calibrate)."""
-    return costmodel.choose(nbytes, lay, _params(comm, lay, ctx, xp), grid, _candidates(ctx, lay, xp), validate)
+    key = _plan_key("auto", layout, grid)
+    plan = ctx.cache.get(key)
+    if plan is None:
+        plan = ctx.cache[key] = _Auto(Request(user, ctx, layout, grid))
+    return plan.selector.choose(nbytes, xp, validation.enabled(validate), native.unsupported(dtype, op) is None)
 
 
 def cost_params(comm: MPI.Comm | None = None, *, layout: RanksPerNode = None, device: str = "cpu") -> costmodel.Params:
@@ -349,10 +382,14 @@ def _params(comm: MPI.Comm, lay: Layout, ctx: Context, xp: Any = np) -> costmode
     )
 
 
-def _candidates(ctx: Context, lay: Layout, xp: Any) -> list[str]:
-    """The algorithms "auto" chooses from for ``xp`` memory on ``lay``: the
-    shared-memory one only for host memory on nodes that share memory."""
-    return [name for name in costmodel.MODELS if name != "shm" or (xp is np and shm.capable(ctx, lay))]
+def _plan_key(algorithm: str, layout: RanksPerNode, grid: tuple[int, int] | None) -> tuple[str, str, str]:
+    """The key of an algorithm's plan for these options in the context's cache."""
+    return ("plan", algorithm, repr((layout, grid)))
+
+
+def _key(x: Any, red: Reduction, validate: bool) -> tuple[int, Any, bool, bool]:
+    """What ``auto`` chooses by: size, memory, the check, whether MPI can reduce the dtype and op."""
+    return x.nbytes, _memory(x), validate, native.unsupported(red.dtype, red.op) is None
 
 
 def _memory(x: Any) -> Any:

@@ -44,8 +44,10 @@ Since an epoch's batches depend only on (seed, epoch, rank), a resumed run
 of an algorithm whose runs are reproducible (AllReduce-SGD, D-PSGD, LSGD,
 GR-SGD with ``--max-lead 0``, Prague with static groups) takes exactly the
 steps the uninterrupted run would have, and ends with the same parameters
-and metrics (times aside; with ``--collective auto`` as long as the job,
-which calibrates anew, chooses the same all-reduce algorithms). Where the
+and metrics (times aside; with ``--collective auto`` as long as the job
+chooses the same all-reduce algorithms, which the persisted measurements of
+``auto`` make so on the same machine: ``mpidl train`` has ``auto`` tune on
+copies, never on the training's own calls, see ``docs/collectives.rst``). Where the
 workers' timing decides the updates
 (AD-PSGD, GR-SGD with a lead, Prague with random or smart groups), the
 resumed run starts from exactly the saved state, random generators
@@ -1001,6 +1003,7 @@ def main(args: argparse.Namespace) -> int:
     from .runtime import USAGE_EXIT_CODE, init
 
     comm = init()
+    collectives.set_tuning(deterministic=True)  # one algorithm per size from the first step: repeatable bits
     try:
         config = config_from_args(args)
         if args.plot or args.timeline_plot:

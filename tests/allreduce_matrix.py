@@ -7,7 +7,9 @@ a separate ``mpiexec`` for 5..8 ranks::
 
 Inputs differ per rank (identical inputs hide bugs). Integer results must equal
 ``MPI_Allreduce`` exactly; float results equal a float64 reference within the
-dtype's rounding; every rank must end with bitwise-identical bytes.
+dtype's rounding; every rank must end with bitwise-identical bytes. "mpi" (the
+MPI library's own all-reduce) must refuse float16 and bfloat16, and min and
+max on floats, on every rank, naming them, with the buffer untouched.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives
+from collectives.kernels import native
 
 INT_DTYPES = ("int32", "int64")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -114,6 +117,13 @@ def _one(
     mine = rank_input(rank, length, op)
     buf = make_buffer(mine, dtype, device)
     everyone = np.array(comm.allgather(mine)).reshape(n, length)
+    if algorithm == "mpi" and native.unsupported(dtype, op):  # refused on every rank, the buffer untouched
+        before = raw_bytes(buf)
+        try:
+            collectives.allreduce(buf, comm, op=op, collective=algorithm, **options)
+        except collectives.ArgumentError as exc:
+            return [] if raw_bytes(buf) == before and dtype in str(exc) else [f"{case}: {exc}"]
+        return [f"{case}: reduced what MPI cannot reduce as the other algorithms do"]
     out = collectives.allreduce(buf, comm, op=op, collective=algorithm, **options)
     got = to_host(buf)
     agree = len(set(comm.allgather(raw_bytes(buf)))) == 1

@@ -96,17 +96,52 @@ def test_bfloat16_rounds_once_per_combine() -> None:
     assert all_ok(MPI.COMM_WORLD, bool(torch.equal(x, expected)))
 
 
+def nan(payload: int) -> float:
+    """A quiet float64 NaN with this payload."""
+    return float(np.array(0x7FF8000000000000 + payload, np.uint64).view(np.float64))
+
+
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("algorithm", list(collectives.COLLECTIVES))
 def test_signed_zero_and_nan_agree_bitwise(algorithm: str, size: int) -> None:
     """Order-sensitive IEEE cases (min of -0.0 and 0.0, NaN payloads) agree on all ranks
-    (two ranks: the pairwise paths, e.g. shm's, where each rank combines its own vector)."""
+    (two ranks: the pairwise paths, e.g. shm's, where each rank combines its own vector).
+    "mpi" refuses min on floats: MPI's does not return NaN where an operand is NaN."""
     comm = comm_of_size(size)
     r = comm.Get_rank()
     x = np.array([0.0 if r % 2 else -0.0, np.nan if r == 0 else 1.0, -np.nan if r == 1 else 2.0])
+    if algorithm == "mpi":
+        with pytest.raises(collectives.ArgumentError, match="min on float64 does not return NaN"):
+            collectives.allreduce(x, comm, op="min", collective=algorithm)
+        return
     collectives.allreduce(x, comm, op="min", collective=algorithm)
     assert all_ok(comm, len(set(comm.allgather(x.tobytes()))) == 1)
     assert all_ok(comm, bool(x[0] == 0.0) and (bool(np.isnan(x[1])) or comm.Get_size() == 1))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_native_short_sums_agree_bitwise(size: int) -> None:
+    """ "mpi" on a vector shorter than the communicator: NaNs of different payloads meet
+    (MPICH's MPI_Allreduce, recursive doubling there, left each rank its own payload)."""
+    comm = comm_of_size(size)
+    x = np.array([nan(1 + comm.Get_rank())])
+    collectives.allreduce(x, comm, collective="mpi")
+    assert all_ok(comm, len(set(comm.allgather(x.tobytes()))) == 1 and bool(np.isnan(x[0])))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("algorithm", list(collectives.COLLECTIVES))
+def test_long_float_sums_agree_bitwise(algorithm: str, size: int) -> None:
+    """Beyond the MPI library's short-vector paths (98 KB, over the 64 KiB that "mpi"
+    reduces to one rank and broadcasts): sums of values of many magnitudes, with
+    NaNs of different payloads meeting, end bitwise identical on every rank."""
+    comm = comm_of_size(size)
+    r = comm.Get_rank()
+    rng = np.random.default_rng(r)
+    x = rng.standard_normal(12289) * 10.0 ** rng.integers(-8, 9, 12289)
+    x[::101] = nan(1 + r)
+    collectives.allreduce(x, comm, collective=algorithm)
+    assert all_ok(comm, len(set(comm.allgather(x.tobytes()))) == 1)
 
 
 def test_scratch_reused_across_calls() -> None:

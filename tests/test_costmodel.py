@@ -154,7 +154,7 @@ def test_calibration_explain_and_debug_log(caplog: pytest.LogCaptureFixture) -> 
         for name in prm.offset
     )
     choice = collectives.explain(1 << 16, comm)
-    assert choice.algorithm in costmodel.MODELS and choice.predictions[choice.algorithm] == min(
+    assert choice.algorithm in collectives.COLLECTIVES and choice.predictions[choice.algorithm] == min(
         choice.predictions.values()
     )
     with caplog.at_level(logging.DEBUG, logger="collectives.auto"):

@@ -45,7 +45,9 @@ any communicator, sub-communicator or P-Reduce group), so that the bytes that
 cross nodes can be told from those that stay inside one. The shared-memory
 all-reduce (:mod:`collectives.kernels.shm`) counts the bytes each rank copies
 into the shared segment for its peers (:func:`count_sent`; destination
-:data:`SHARED_MEMORY`). The
+:data:`SHARED_MEMORY`); the MPI library's own all-reduce
+(:mod:`collectives.kernels.native`) counts an estimate (destination
+:data:`MPI_LIBRARY`). The
 argument check's messages (:mod:`collectives.validation`), and the small
 butterfly all-reduces that ride in them, bypass this module and are not
 counted; the training algorithms run their steps unchecked, so their counts
@@ -95,6 +97,9 @@ DEVICE_TRANSPORTS: dict[type, Transport] = {}
 
 #: The destination under which :func:`bytes_by_peer` counts bytes copied through shared memory.
 SHARED_MEMORY = -1
+#: The destination under which :func:`bytes_by_peer` counts bytes handed to the MPI
+#: library's own collectives (:mod:`collectives.kernels.native`: an estimate).
+MPI_LIBRARY = -2
 
 
 class _Sent(threading.local):
@@ -167,9 +172,10 @@ def bytes_by_peer() -> dict[int, int]:
     return out
 
 
-def count_sent(nbytes: int) -> None:
-    """Count ``nbytes`` this thread handed to its peers another way (through shared memory)."""
-    _count(SHARED_MEMORY, nbytes)
+def count_sent(nbytes: int, dest: int = SHARED_MEMORY) -> None:
+    """Count ``nbytes`` this thread handed to its peers another way: through shared
+    memory, or (``dest`` :data:`MPI_LIBRARY`) to the MPI library's collectives."""
+    _count(dest, nbytes)
 
 
 def world_ranks(comm: Any) -> Sequence[int]:
