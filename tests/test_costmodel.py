@@ -306,7 +306,7 @@ def test_auto_names_its_choice_for_the_stall_inspector() -> None:
     comm = MPI.COMM_WORLD
     x = np.ones(100)
     collectives.allreduce(x, comm)
-    chosen = collectives.explain(x.nbytes, comm).algorithm
+    chosen = collectives.explain(x.nbytes, comm, dtype=str(x.dtype)).algorithm
     names = {call.operation for call in context(comm).calls.values() if call.algorithm == "auto"}
     assert f"allreduce(collective='auto': {chosen!r})" in names, names
 

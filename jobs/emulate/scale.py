@@ -176,7 +176,7 @@ def summarize(run: dict[str, Any], target: float) -> dict[str, Any]:
     steps = sum(e["steps"] for e in epochs)
     workers = last["workers"]
     peer = run["meta"]["algorithm"] in sweep.PEERS
-    step_times = [w["step_s"] for w in run.get("workers", [])] if "workers" in run else []
+    own = run.get("workers", {}).get("mean_s", {}).get("own", [])  # each worker's step, waits excluded
     return {
         "to_target_s": sweep.time_to(epochs, target),
         "final_acc": last["test_acc"],
@@ -184,7 +184,7 @@ def summarize(run: dict[str, Any], target: float) -> dict[str, Any]:
         "link_per_step": run["sweep"]["link_bytes"] / max(steps, 1),
         "wait": None if peer else sum(workers["comm_wait_s"]) / max(sum(workers["time_s"]), 1e-9),
         "consensus": last["consensus"],
-        "slowest": max(step_times) / statistics.median(step_times) if step_times else None,
+        "slowest": max(own) / statistics.median(own) if own and statistics.median(own) > 0 else None,
     }
 
 
