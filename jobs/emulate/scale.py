@@ -108,6 +108,10 @@ ALGORITHMS = {
     "horovod": ("--algorithm", "horovod"),
 }
 BASELINE = "allreduce"
+#: The algorithms whose workers step at their own speeds: an epoch of theirs is n x steps
+#: of all workers together, so a slow worker's shard is seen less; they run
+#: ``Setup.async_epochs`` so that they can reach the baseline's final accuracy.
+UNEVEN = ("adpsgd", "adpsgd:aware", "prague:random", "prague:smart", "prague:aware")
 
 
 @dataclass(frozen=True)
@@ -121,8 +125,13 @@ class Setup:
     rate: str = "1gbit"
     batch_size: int = 32
     lr: float = 0.05
+    async_epochs: int | None = None  # None: 2 x epochs
 
-    def train_args(self) -> list[str]:
+    def train_args(self, algo: str = BASELINE) -> list[str]:
+        """``mpidl train``'s options for ``algo`` (the epochs: :data:`UNEVEN`)."""
+        epochs = self.epochs
+        if algo in UNEVEN:
+            epochs = self.async_epochs if self.async_epochs is not None else 2 * self.epochs
         return [
             "--dataset",
             "fashion-mnist",
@@ -131,7 +140,7 @@ class Setup:
             "--hidden",
             self.hidden,
             "--epochs",
-            str(self.epochs),
+            str(epochs),
             "--batch-size",
             str(self.batch_size),
             "--lr",
@@ -162,7 +171,8 @@ def shape_links(setup: Setup, shape: Shape, condition: str) -> None:
 def run(out: Path, setup: Setup, shape: Shape, condition: str, algo: str, k: int, timeout: float) -> Path:
     """One cell's ``k``-th run; its JSON (nothing to do if it exists)."""
     path = out / shape.name / condition / (f"{algo}.json" if k == 0 else f"{algo}.r{k}.json")
-    argv = ["python", "-m", "mpidl", "train", *ALGORITHMS[algo], *setup.train_args(), *condition_args(condition, shape)]
+    argv = ["python", "-m", "mpidl", "train", *ALGORITHMS[algo], *setup.train_args(algo)]
+    argv += condition_args(condition, shape)
     argv += ["--seed", str(k)]
     cluster_args = ["--nodes", str(shape.nodes), "-n", str(shape.ranks)]
     label = f"{shape.name:>5} {condition:<9} {algo:<14}"
@@ -273,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--algorithms", default="all", help="comma-separated names of ALGORITHMS, or all")
     p.add_argument("--repeat", type=int, default=1, help="runs per cell, seeds 0..K-1; medians (default 1)")
     p.add_argument("--epochs", type=int, default=Setup.epochs, help=f"(default {Setup.epochs})")
+    p.add_argument("--async-epochs", type=int, help="epochs of the algorithms of uneven steps (default 2 x --epochs)")
     p.add_argument("--step-time", default=Setup.step_time, help=f"paced step (default {Setup.step_time})")
     p.add_argument("--hidden", default=Setup.hidden, help=f"the MLP's hidden layers (default {Setup.hidden})")
     p.add_argument("--target", type=float, default=Setup.target, help=f"accuracy (default {Setup.target})")
@@ -282,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot", action="store_true", help="draw plots/speedup.png")
     p.add_argument("--report-only", action="store_true", help="make the table from the runs there; run nothing")
     args = p.parse_args(argv)
-    setup = Setup(args.hidden, args.epochs, args.step_time, args.target, args.rate)
+    setup = Setup(args.hidden, args.epochs, args.step_time, args.target, args.rate, async_epochs=args.async_epochs)
     shapes = [Shape.parse(c) for c in args.clusters.split(",")]
     conditions = args.conditions.split(",")
     algos = list(ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
@@ -291,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("scale: the horovod rows left out: Horovod is not installed (jobs/peers/horovod.sh)", flush=True)
     if args.smoke:
         shapes, conditions, algos = [Shape(8, 1)], ["straggler"], ["allreduce", "adpsgd"]
-        setup = Setup(setup.hidden, 1, "60ms", 0.0, setup.rate)
+        setup = Setup(setup.hidden, 1, "60ms", 0.0, setup.rate, async_epochs=1)
     unknown = [a for a in algos if a not in ALGORITHMS] + [c for c in conditions if c not in CONDITIONS]
     if unknown:
         p.error(f"unknown algorithm(s) or condition(s): {', '.join(unknown)}")
