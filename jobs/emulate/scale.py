@@ -168,9 +168,14 @@ def shape_links(setup: Setup, shape: Shape, condition: str) -> None:
     sweep.cluster("shape", "--rate", setup.rate, *nodes)
 
 
+def run_path(out: Path, shape: Shape, condition: str, algo: str, k: int) -> Path:
+    """Where a cell's ``k``-th run keeps its JSON."""
+    return out / shape.name / condition / (f"{algo}.json" if k == 0 else f"{algo}.r{k}.json")
+
+
 def run(out: Path, setup: Setup, shape: Shape, condition: str, algo: str, k: int, timeout: float) -> Path:
     """One cell's ``k``-th run; its JSON (nothing to do if it exists)."""
-    path = out / shape.name / condition / (f"{algo}.json" if k == 0 else f"{algo}.r{k}.json")
+    path = run_path(out, shape, condition, algo, k)
     argv = ["python", "-m", "mpidl", "train", *ALGORITHMS[algo], *setup.train_args(algo)]
     argv += condition_args(condition, shape)
     argv += ["--seed", str(k)]
@@ -316,7 +321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not args.report_only:
                     shape_links(setup, shape, condition)
                 for algo in algos:
-                    paths = [run(args.out, setup, shape, condition, algo, k, args.timeout) for k in range(args.repeat)]
+                    ks = range(args.repeat)
+                    if args.report_only:
+                        paths = [run_path(args.out, shape, condition, algo, k) for k in ks]
+                    else:
+                        paths = [run(args.out, setup, shape, condition, algo, k, args.timeout) for k in ks]
                     loaded = [json.loads(q.read_text()) for q in paths if q.exists()]
                     if loaded:
                         key = (shape.name, condition, algo)
