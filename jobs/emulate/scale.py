@@ -35,9 +35,10 @@ how many times sooner than AllReduce-SGD the run first reached
 AllReduce-SGD's final accuracy (``to AR final``); steps per second of all
 workers together; the bytes the links carried per step; the share of the
 workers' time spent waiting in communication; the consensus distance at
-the end; and the slowest worker's mean step over the median worker's. Plots
-(``--plot``): speedup over AllReduce-SGD against workers, a panel per
-condition (``plots/speedup.png``), and accuracy against time per cluster.
+the end; and the slowest worker's mean step over the median worker's. The
+plot (``--plot``, ``plots/speedup.png``): how many times sooner than
+AllReduce-SGD each algorithm reached AllReduce-SGD's final accuracy, against
+workers, a panel per condition.
 
 Runs whose JSON exists are not run again; ``--report-only`` makes the table
 from what is there. Each run is ended, on every node, after ``--timeout``.
@@ -247,29 +248,32 @@ def rows(results: dict[Key, dict[str, Any]], runs: dict[Key, list]) -> list[list
     return out
 
 
-def plot(out: Path, results: dict[tuple[str, str, str], dict[str, Any]], conditions: Sequence[str]) -> Path:
-    """Speedup over AllReduce-SGD (time to target) against workers, a panel per condition."""
+def plot(out: Path, runs: dict[Key, list], conditions: Sequence[str]) -> Path:
+    """How many times sooner than AllReduce-SGD each algorithm reached AllReduce-SGD's final
+    accuracy, against workers, a panel per condition."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colors = dict(zip(ALGORITHMS, plt.get_cmap("tab20").colors))
     fig, axes = plt.subplots(1, len(conditions), figsize=(4 * len(conditions) + 2, 3.8), sharey=True, squeeze=False)
     for ax, condition in zip(axes[0], conditions):
         for algo in ALGORITHMS:
             points = []
-            for (cluster, cond, name), r in results.items():
-                base = results.get((cluster, cond, BASELINE), {}).get("to_target_s")
-                if cond == condition and name == algo and base and r["to_target_s"]:
-                    points.append((Shape.parse(cluster).workers, base / r["to_target_s"]))
+            for cluster, cond, name in runs:
+                sooner = sweep.to_baseline_final(runs, (cluster, cond, name))
+                if cond == condition and name == algo and sooner:
+                    points.append((Shape.parse(cluster).workers, sooner))
             if points:
                 xs, ys = zip(*sorted(points))
-                ax.plot(xs, ys, marker="o", label=algo, linestyle="-" if algo.startswith("allreduce") else "--")
+                style = "-" if algo.startswith("allreduce") else "--"
+                ax.plot(xs, ys, marker="o", label=algo, linestyle=style, color=colors[algo])
         ax.axhline(1.0, color="grey", linewidth=0.6)
         ax.set_title(condition)
         ax.set_xlabel("workers")
         ax.set_xscale("log", base=2)
-    axes[0][0].set_ylabel("time to target: AllReduce-SGD / algorithm")
+    axes[0][0].set_ylabel("AllReduce-SGD's final accuracy: x sooner")
     handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
     fig.legend(list(handles.values()), list(handles), loc="center right", fontsize=7)
     fig.tight_layout(rect=(0, 0, 1 - 2 / fig.get_figwidth(), 1))
@@ -344,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(text, end="")
     if args.plot and results:
-        print(f"plot: {plot(args.out, results, conditions)}")
+        print(f"plot: {plot(args.out, runs, conditions)}")
     return 0
 
 
