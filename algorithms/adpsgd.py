@@ -1,7 +1,7 @@
 """AD-PSGD: asynchronous decentralized SGD, averaging atomically with one random neighbor.
 
 Lian, Zhang, Zhang & Liu, "Asynchronous Decentralized Parallel Stochastic
-Gradient Descent", ICML 2018; seed 001, section 4.3. The graph is bipartite:
+Gradient Descent", ICML 2018. The graph is bipartite:
 its two sides are the *active* workers (rank 0's side) and the *passive* ones,
 and every edge joins an active worker to a passive one.
 

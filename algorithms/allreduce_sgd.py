@@ -92,8 +92,8 @@ Cost per step: one all-reduce of the model's size m bytes, in b buckets; with
 the ring, 2(n-1) b alpha + 2 m (n-1)/n beta + m (n-1)/n gamma, and each
 worker sends 2 m (n-1)/n bytes, the bandwidth lower bound. With overlap the
 part of it that runs while backward computes the earlier gradients is off the
-critical path (where a core is free for it). Reference: seed 001, section 4.3
-(BSP); Goyal et al., "Accurate, Large Minibatch SGD", 2017; buckets as in
+critical path (where a core is free for it). Reference: Valiant's
+BSP model; Goyal et al., "Accurate, Large Minibatch SGD", 2017; buckets as in
 Li et al., "PyTorch Distributed", VLDB 2020.
 """
 

@@ -2,7 +2,7 @@
 
 Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?
 A Case Study for Decentralized Parallel Stochastic Gradient Descent",
-NeurIPS 2017; seed 001, section 4.3. With W a symmetric doubly stochastic
+NeurIPS 2017. With W a symmetric doubly stochastic
 mixing matrix over the graph (:mod:`algorithms.topology`), each step on worker i:
 
 1. g_i = grad f_i(x_i), the local gradient at the worker's *current* model

@@ -45,7 +45,7 @@ can be switched on or off.
 Reference: Seide et al., Interspeech 2014 (1-bit SGD with error
 feedback); Karimireddy, Rebjock, Stich & Jaggi, ICML 2019 (EF-SGD); Stich,
 Cordonnier & Jaggi, NeurIPS 2018 (memory); Zheng, Huang & Kwok, NeurIPS
-2019 (seed 001's [51]).
+2019.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GR-SGD: gossip on a ring without a global barrier, each worker's lead bounded.
 
-After Zhou et al.'s Gossip Ring SGD (seed 001, section 4.3: ring all-reduce
+After Zhou et al.'s Gossip Ring SGD (ring all-reduce
 combined with gossip, the number of exchanges between neighbors controlled so
 that a slow worker does not stall the ring). Workers sit on a ring; each
 averages with its two ring neighbors by *exchanges* that need neither a

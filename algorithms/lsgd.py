@@ -2,7 +2,7 @@
 
 Yu, Flynn, Yoo & D'Imperio, "Layered SGD: A Decentralized and Synchronous
 SGD Algorithm for Scalable Deep Neural Network Training", arXiv:1906.05936,
-2019; seed 001, section 4.3. Workers are grouped by node
+2019. Workers are grouped by node
 (:func:`collectives.topology.layout.layout`: ``comm.Split_type(COMM_TYPE_SHARED)``,
 overridden by ``layout=`` or ``MPIDL_RANKS_PER_NODE`` to emulate nodes); each
 group's lowest rank is its representative (the paper's "communicator"). The

@@ -1,7 +1,7 @@
 """Prague: local SGD steps, then a partial all-reduce (P-Reduce) with a group from the group generator.
 
 Luo, He, Zhuo & Qian, "Prague: High-Performance Heterogeneity-Aware
-Asynchronous Decentralized Training", ASPLOS 2020; seed 001, section 5.1. A
+Asynchronous Decentralized Training", ASPLOS 2020. A
 step of worker i:
 
 1. apply the local optimizer with the caller's gradient;
