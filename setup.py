@@ -4,7 +4,9 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-TEST = ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1"]
+# wheel: tests/test_cli.py builds mpidl's wheel without build isolation (no network), and
+# the setuptools of a fresh virtualenv needs it for bdist_wheel
+TEST = ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "wheel"]
 
 setup(
     name="mpidl",
