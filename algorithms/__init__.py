@@ -45,7 +45,7 @@ from mpi4py import MPI
 
 from .adpsgd import ADPSGD
 from .allreduce_sgd import AllReduceSGD
-from .base import Algorithm
+from .base import Algorithm, StateError
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .dpsgd import DPSGD
 from .flat import FlatParams, flatten
@@ -93,6 +93,7 @@ __all__ = [
     "AllReduceSGD",
     "FlatParams",
     "Prague",
+    "StateError",
     "Topology",
     "TopologyError",
     "broadcast_optimizer_state",

@@ -270,8 +270,8 @@ class ADPSGD(Algorithm):
             "rng": self._rng.bit_generator.state,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         self.averagings, self.last_peer = int(state["averagings"]), state["last_peer"]
         self._rng.bit_generator.state = state["rng"]
 

@@ -645,8 +645,8 @@ class AllReduceSGD(Algorithm):
             extra.update(self.local_momentum.state_dict())
         return {**super().state_dict(), **extra}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         if self.compression is not None:
             self.compression.load_state_dict(state)
         if self.local_momentum is not None:

@@ -81,7 +81,7 @@ set ``synchronous``); override :meth:`~Algorithm._configure`
 (local checks, returns the options every rank must agree on),
 :meth:`~Algorithm._start` (collective set-up), :meth:`~Algorithm.settle` and
 :meth:`~Algorithm.close` (threads, communicators), and
-:meth:`~Algorithm.state_dict` and :meth:`~Algorithm.load_state_dict` (state
+:meth:`~Algorithm.state_dict` and :meth:`~Algorithm._load_state` (state
 kept between steps) as needed; register the
 class in :data:`algorithms.ALGORITHMS`. Service threads that overlap
 communication with computation are :class:`collectives.transport.background.Background`.
@@ -111,6 +111,21 @@ from collectives.transport.p2p import bytes_sent
 
 from . import events
 from .flat import FlatParams, flatten
+
+
+class StateError(ValueError):
+    """A state that does not fit on some workers, raised on every worker by
+    :meth:`Algorithm.load_state_dict`.
+
+    Attributes:
+        problems: what did not fit, by the rank of each worker whose state failed.
+    """
+
+    def __init__(self, problems: dict[int, str]) -> None:
+        self.problems = problems
+        super().__init__(
+            "load_state_dict: the state does not fit on " + "; ".join(f"rank {r}: {p}" for r, p in problems.items())
+        )
 
 
 class Algorithm(ABC):
@@ -367,7 +382,32 @@ class Algorithm(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``, a :meth:`state_dict` of this configuration, before
-        the first step (local; on every worker before any worker steps on).
+        the first step; the worker's model (and optimizer) state loaded first.
+
+        Collective: it returns once every worker has loaded its state, so that no
+        worker's first step reaches one still loading (an asynchronous algorithm's
+        service thread answers the other workers at any time; the group generator's
+        state must be in place before the first request).
+
+        Raises:
+            StateError: on every worker where some worker's state does not fit (a
+                missing key, an array of the wrong length, a value of the wrong
+                type), naming those workers and their problems. A worker whose state
+                failed may hold part of it: load another state or close the algorithm.
+        """
+        problem: Exception | None = None
+        try:
+            self._load_state(state)
+        except (KeyError, ValueError, TypeError) as exc:
+            problem = exc
+        text = None if problem is None else f"lacks {problem}" if isinstance(problem, KeyError) else str(problem)
+        problems = {rank: p for rank, p in enumerate(context(self.comm).comm.allgather(text)) if p is not None}
+        if problems:
+            raise StateError(problems) from problem
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """Load this worker's part of :meth:`load_state_dict` (local): subclasses load their
+        own state after the base class's counters.
 
         Raises:
             ValueError: an array of the wrong length, or state this worker cannot use.

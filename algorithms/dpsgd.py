@@ -289,8 +289,8 @@ class DPSGD(Algorithm):
             return super().state_dict()
         return {**super().state_dict(), "public": host_copy(self._public), "mixed": host_copy(self._mixed)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         if self.compressor is not None:
             require(state, ("public", "mixed"), "CHOCO-SGD's copies x^ and s; an uncompressed D-PSGD keeps none")
             load_into(self._public, state["public"], "public")

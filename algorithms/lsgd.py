@@ -270,8 +270,8 @@ class LSGD(Algorithm):
         memory = self.compression.state_dict() if self.compression is not None else {}
         return {"representative": self.representative, **memory}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         if self.compression is not None:
             if state.get("representative", True):
                 self.compression.load_state_dict(state)

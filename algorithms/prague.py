@@ -140,8 +140,8 @@ class Prague(Algorithm):
         :meth:`collectives.PReduce.state_dict`)."""
         return {**super().state_dict(), "preduce": self.preduce.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         self.preduce.load_state_dict(state["preduce"])
 
     def close(self) -> None:

@@ -618,7 +618,7 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
     try:
         run = _Run(config, dataset, net, algo, steps, threads, budget, polled)
         if config.resume:
-            _agreed(comm, run.restore)
+            run.load_algorithm_state(_agreed(comm, run.restore))
         if comm.Get_rank() == 0:
             print(_header(run.meta), flush=True)
         blocking = p2p.poll_waits(polled)
@@ -873,8 +873,10 @@ class _Run:
         }
         checkpoint.save(self.config.checkpoint, step, algo.comm, arrays, info)
 
-    def restore(self) -> None:
-        """Continue from the newest checkpoint in ``config.checkpoint`` (local).
+    def restore(self) -> dict[str, Any]:
+        """Continue from the newest checkpoint in ``config.checkpoint`` (local): the
+        model, the optimizer and the run's counters; return the algorithm's state, for
+        :meth:`load_algorithm_state` once every rank has read its file.
 
         Raises:
             UsageError: the checkpoint is of another run.
@@ -904,7 +906,6 @@ class _Run:
             for key in [k for k in arrays if k.startswith(_ALGORITHM_ARRAY)]:
                 state[key[len(_ALGORITHM_ARRAY) :]] = arrays.pop(key)
             self.net.load_optimizer_state(arrays)
-            algo.load_state_dict(state)
         except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # what the file holds does not fit
             problem = f"lacks {exc}" if isinstance(exc, KeyError) else str(exc)
             raise checkpoint.CheckpointError(
@@ -915,6 +916,22 @@ class _Run:
         self.node_bytes.carry(info.get("internode_bytes", 0))
         if "step_times" in info:
             self.times = stragglers.StepTimes.from_state(info["step_times"])
+        return state
+
+    def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        """Load the algorithm's state that :meth:`restore` returned (collective).
+
+        Raises:
+            checkpoint.CheckpointError: on every rank, where it does not fit on some
+                rank, naming that rank's file.
+        """
+        try:
+            self.algo.load_state_dict(state)
+        except algorithms.StateError as exc:  # raised on every rank alike: the first rank it names
+            rank, problem = next(iter(exc.problems.items()))
+            raise checkpoint.CheckpointError(
+                f"rank {rank}: {checkpoint.rank_file(self.config.checkpoint, rank)}: {problem}"
+            ) from exc
 
 
 def _describe(

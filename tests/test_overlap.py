@@ -427,15 +427,16 @@ def test_dpsgd_half_precision_overlap() -> None:
 
 def test_step_bench_times_every_candidate(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tmp_path_factory.mktemp("stepbench") / "steps.json"
+    # shm named: auto may choose another collective on this machine, and the update fuses with shm only
     args = ["--hidden", "32", "--steps", "2", "--repeat", "2", "--warmup", "1", "--bucket-mb", "0.001"]
-    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "step-bench", *args, "--json", str(out)])
+    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "step-bench", *args, "--collective", "shm", "--json", str(out)])
     assert proc.returncode == 0, proc.stderr
     data = on_rank0_quietly(lambda: json.loads(out.read_text()))
     names = [r["name"] for r in data["results"]]
     assert names == [
         *("local", "comm", "allreduce", "allreduce-unfused", "allreduce+overlap", "dpsgd", "dpsgd+overlap", "ddp")
     ]
-    assert data["meta"]["fused"] is True  # one node, shm, SGD
+    assert data["meta"]["fused"] is True and data["meta"]["bucket_collectives"] == ["shm", "shm"]  # one node, SGD
     assert all(r["time"] > 0 and len(r["samples"]) == 2 for r in data["results"])
     assert data["meta"]["model"] == "MLP 64-32-10" and data["meta"]["ranks"] == 2 and data["meta"]["device"] == "cpu"
     assert data["meta"]["buckets"] == [4 * (10 + 320), 4 * (32 + 2048)]  # 0.001 MiB: closed at 262 floats

@@ -73,15 +73,15 @@ if mode == "train":
     checkpoint.save = save_or_die
     restored_into = os.environ.get("FAILURE_SAVE_RESTORED")
     if restored_into:
-        restore = train._Run.restore
+        load = train._Run.load_algorithm_state
 
-        def restore_and_save(run: train._Run) -> None:
-            restore(run)
+        def load_and_save(run: train._Run, state: dict) -> None:
+            load(run, state)
             folder, run.config.checkpoint = run.config.checkpoint, restored_into
             run._save()
             run.config.checkpoint = folder
 
-        train._Run.restore = restore_and_save
+        train._Run.load_algorithm_state = load_and_save
     sys.exit(cli.main(["train", *sys.argv[2:]]))
 
 x = np.ones(1000, np.float32)
