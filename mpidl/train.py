@@ -925,6 +925,7 @@ class _Run:
             checkpoint.CheckpointError: on every rank, where it does not fit on some
                 rank, naming that rank's file.
         """
+        assert self.config.checkpoint, "load_algorithm_state() without a checkpoint folder"
         try:
             self.algo.load_state_dict(state)
         except algorithms.StateError as exc:  # raised on every rank alike: the first rank it names
