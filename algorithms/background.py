@@ -8,12 +8,11 @@ computation: :func:`spare_cores` tells the algorithms whether to overlap.
 
 from __future__ import annotations
 
-import os
 import sys
 
 from mpi4py import MPI
 
-from collectives.topology.layout import detected
+from collectives.topology.layout import cores_per_rank
 from collectives.transport.context import context
 
 
@@ -24,9 +23,6 @@ def spare_cores(comm: MPI.Comm, wanted: bool = True) -> bool:
     not, the thread's work takes cores from the computation, so overlapping it with the
     computation hides nothing."""
     ctx = context(comm)
-    node_of = detected(ctx).node_of
-    ranks_here = node_of.count(node_of[ctx.rank])
     torch = sys.modules.get("torch")
     intra_op = torch.get_num_threads() if torch is not None else 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return bool(ctx.comm.allreduce(wanted and cores >= ranks_here * (intra_op + 1), op=MPI.LAND))
+    return bool(ctx.comm.allreduce(wanted and cores_per_rank(ctx) >= intra_op + 1, op=MPI.LAND))

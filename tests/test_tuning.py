@@ -14,7 +14,7 @@ from mpitest import all_ok
 
 import collectives
 from collectives.transport import p2p
-from collectives.tuning import cache, online, sweep
+from collectives.tuning import cache, online, selector, sweep
 from collectives.tuning.table import GRID, Table, band, needed
 
 KIB = 1 << 10
@@ -175,9 +175,11 @@ def test_file_not_saved_under_this_key_is_not_used(fresh: MPI.Intracomm, measure
 
 
 def tune_everything(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Online tuning finds every candidate close, at every size (so the three fastest are tuned)."""
+    """Online tuning finds every candidate close, at every size (so the three fastest are
+    tuned), and every rank a core of its own (the machine running the tests may have fewer)."""
     monkeypatch.setattr(online, "CLOSE", 1e9)
     monkeypatch.setattr(online, "SHORTEST", 0.0)
+    monkeypatch.setattr(selector, "cores_per_rank", lambda ctx: 1.0)
 
 
 def calls_until_decided(comm: MPI.Comm, x: np.ndarray, expected: float, most: int = 30) -> int:
@@ -217,6 +219,22 @@ def test_online_tuning_runs_the_close_candidates_agrees_and_persists(
         assert all_ok(comm, again.source == "cached online tuning" and again.algorithm == choice.algorithm)
     finally:
         comm.Free()
+
+
+@pytest.mark.timeout(60)
+def test_no_online_tuning_where_ranks_share_cores(fresh: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a node with fewer cores than ranks a single call's time is the scheduler's as
+    much as the collective's: the calibration's choice stands, and explain() says why."""
+    if fresh.size == 1:
+        pytest.skip("one rank has nothing to tune")
+    tune_everything(monkeypatch)
+    monkeypatch.setattr(selector, "cores_per_rank", lambda ctx: 0.5 if ctx.rank == fresh.size - 1 else 2.0)
+    monkeypatch.setattr(online, "Session", lambda *a, **k: pytest.fail("tuned"))
+    p, x = fresh.size, np.zeros(11 * KIB, np.float32)
+    assert calls_until_decided(fresh, x, p * (p + 1) / 2, most=4) == 5
+    choice = collectives.explain(x.nbytes, fresh)
+    assert all_ok(fresh, choice.source == "calibration" and "no online tuning" in choice.reason), choice.reason
+    assert all_ok(fresh, "0.5 cores per rank" in choice.reason)
 
 
 @pytest.mark.timeout(60)

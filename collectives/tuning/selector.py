@@ -14,7 +14,10 @@ measured there and then (:mod:`collectives.tuning.sweep`: every candidate,
 interleaved, medians, the slowest rank's time), so the calibration spends
 time only on the sizes the program uses. Where the measurements leave
 candidates close, the first calls of the size band tune among them
-(:mod:`collectives.tuning.online`). What was measured or tuned is saved
+(:mod:`collectives.tuning.online`), where every rank has a core of its own:
+on an oversubscribed node a single call's time is as much the scheduler's as
+the collective's, and the calibration's choice, timed over batches of calls,
+stands. What was measured or tuned is saved
 when the communicator is freed or the program ends.
 
 With ``MPIDL_COSTMODEL`` set on rank 0, the alpha-beta model decides instead
@@ -36,7 +39,7 @@ import numpy as np
 
 from ..kernels import shm
 from ..kernels.plans import PLANNERS, Request, Run
-from ..topology.layout import Layout
+from ..topology.layout import Layout, cores_per_rank
 from ..transport import gpu
 from . import cache, online, settings, sweep
 from .costmodel import MODELS, Choice, Params, check_rides, choose
@@ -52,8 +55,12 @@ class Selector:
         self.ctx, self.layout, self.grid, self.params = req.ctx, lay, req.grid, params
         self.shared = shm.capable(req.ctx, lay)
         self.runs: dict[str, Run] = {name: PLANNERS[name](req) for name in PLANNERS if name != "shm" or self.shared}
-        with waiting(self.ctx.comm, "whether MPIDL_COSTMODEL is set", "auto's set-up"):
-            self.model = bool(self.ctx.comm.bcast(bool(os.environ.get("MPIDL_COSTMODEL")), root=0))
+        with waiting(self.ctx.comm, "whether MPIDL_COSTMODEL is set and each rank has a core", "auto's set-up"):
+            flags = self.ctx.comm.allgather((bool(os.environ.get("MPIDL_COSTMODEL")), cores_per_rank(self.ctx)))
+        self.model = flags[0][0]
+        #: The fewest cores per rank on any node: below 1, a single call's time is the
+        #: scheduler's as much as the collective's, and no online tuning runs.
+        self.cores_per_rank = min(cores for _, cores in flags)
         self.tables: dict[str, tuple[dict[str, Any] | None, Table]] = {}
         self.changed: set[str] = set()
         self.sessions: dict[tuple[str, str], online.Session] = {}
@@ -86,8 +93,19 @@ class Selector:
         choice = table.decide(nbytes, names, validate, lambda name: check_rides(name, nbytes, self.layout), where)
         tune = online.close(choice.predictions) if choice.source.endswith("calibration") else []
         if len(tune) > 1 and settings.current().online:
-            choice.reason += f" (online tuning among {', '.join(tune)} decides on the first calls)"
+            choice.reason += (
+                f" (online tuning among {', '.join(tune)} decides on the first calls)"
+                if self.timeable
+                else f" (no online tuning among {', '.join(tune)}: {self.cores_per_rank:.2g} cores per rank on a node)"
+            )
         return choice
+
+    @property
+    def timeable(self) -> bool:
+        """Whether single calls can be timed for the online tuning: every rank has a core
+        of its own (on an oversubscribed node a call's time depends on which ranks the
+        scheduler runs, and the calibration's batches of calls measured it better)."""
+        return self.cores_per_rank >= 1
 
     def session(self, choice: Choice, xp: Any = np, dtype_ok: bool = True) -> online.Session | None:
         """The online tuning of ``choice``'s size band, started here if the calibration
@@ -96,7 +114,7 @@ class Selector:
         if not choice.source.endswith("calibration"):
             return None
         names = online.close(choice.predictions)
-        if len(names) < 2:
+        if len(names) < 2 or not self.timeable:
             return None
         memory, table = self.table(xp)
         key = table.band(choice.nbytes, self.candidates(xp, dtype_ok))
