@@ -127,6 +127,7 @@ class Setup:
     batch_size: int = 32
     lr: float = 0.05
     async_epochs: int | None = None  # None: 2 x epochs
+    train_samples: int | None = None  # None: the whole training set
 
     def train_args(self, algo: str = BASELINE) -> list[str]:
         """``mpidl train``'s options for ``algo`` (the epochs: :data:`UNEVEN`)."""
@@ -148,6 +149,7 @@ class Setup:
             str(self.lr),
             "--step-time",
             self.step_time,
+            *(["--train-samples", str(self.train_samples)] if self.train_samples else []),
         ]
 
 
@@ -311,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("scale: the horovod rows left out: Horovod is not installed (jobs/peers/horovod.sh)", flush=True)
     if args.smoke:
         shapes, conditions, algos = [Shape(8, 1)], ["straggler"], ["allreduce", "adpsgd"]
-        setup = Setup(setup.hidden, 1, "60ms", 0.0, setup.rate, async_epochs=1)
+        setup = Setup(setup.hidden, 1, "60ms", 0.0, setup.rate, async_epochs=1, train_samples=20000)
     unknown = [a for a in algos if a not in ALGORITHMS] + [c for c in conditions if c not in CONDITIONS]
     if unknown:
         p.error(f"unknown algorithm(s) or condition(s): {', '.join(unknown)}")
