@@ -77,6 +77,8 @@ def test_converges_to_the_optimum(config: str, size: int) -> None:
 def test_asynchronous_algorithms_converge_to_the_optimum(config: str, size: int) -> None:
     """Workers from different random starts minimise the same f(x) = 0.5 ||x - a||^2
     without a global clock (random sleeps make their speeds differ): each ends at a.
+    The step size stays 0.3 (a decaying one left a lagging worker's error, averaged in
+    late, barely contracted: 1.5e-6 on a loaded machine).
 
     With different targets per worker the point asynchronous SGD reaches depends on
     how the workers' steps happened to interleave (a gradient taken just before an
@@ -93,8 +95,6 @@ def test_asynchronous_algorithms_converge_to_the_optimum(config: str, size: int)
     with algorithms.create(name, x, opt, comm, broadcast_init=False, **options) as algo:
         for t in range(120):
             time.sleep(rng.uniform(0, 5e-4))
-            if t >= 60:
-                opt.lr *= 0.9
             algo.step(x - a)
             if t == 59:
                 algo.settle()
