@@ -2,8 +2,9 @@
 
 Run it under the MPI launcher, e.g. ``mpiexec -n 2 mpidl info``; rank 0
 prints, every rank takes part (``mpidl data fetch`` downloads, once, in one
-process, and ``mpidl simulate`` simulates its workers in one). Diagnostics go to stderr after ``mpidl: rank R:``, at the level
-``MPIDL_LOG_LEVEL`` names. Exit status (:mod:`mpidl.runtime`): 2 for a usage
+process; ``mpidl simulate`` simulates all its workers in one). Diagnostics
+go to stderr after ``mpidl: rank R:``, at the level ``MPIDL_LOG_LEVEL``
+names. Exit status (:mod:`mpidl.runtime`): 2 for a usage
 error (on every rank alike), 4 when an uncaught exception on some rank
 aborted the whole job, 3 when a transfer blocked for 10 minutes did
 (:mod:`collectives.transport.watchdog`); ``mpidl data fetch`` 1 when a file

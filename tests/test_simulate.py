@@ -154,7 +154,12 @@ def test_simulated_allreduce_sgd_is_the_real_one(digits: data.Dataset) -> None:
     common = {"hidden": (16,), "epochs": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.9, "seed": 3}
     real = train.train(
         train.TrainConfig(
-            algorithm="allreduce", options={"collective": "ring"}, dataset="digits", backend="numpy", progress=False, **common
+            algorithm="allreduce",
+            options={"collective": "ring"},
+            dataset="digits",
+            backend="numpy",
+            progress=False,
+            **common,
         ),
         comm,
     )

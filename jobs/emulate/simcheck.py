@@ -70,7 +70,13 @@ def main() -> int:
             out = args.out / cell / path.name
             if not out.exists():
                 out.parent.mkdir(parents=True, exist_ok=True)
-                argv = ["mpidl", "simulate", *simulate_args(emulated, cell.split("/")[0], args.rate), "--json", str(out)]
+                argv = [
+                    "mpidl",
+                    "simulate",
+                    *simulate_args(emulated, cell.split("/")[0], args.rate),
+                    "--json",
+                    str(out),
+                ]
                 print("$", " ".join(argv), flush=True)
                 subprocess.run(argv, check=True)
             simulated = json.loads(out.read_text())

@@ -135,7 +135,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"mpidl simulate: error: {exc}")
         return 2
     steps = result.workers["steps"]
-    print(f"steps per worker: min {min(steps)}, max {max(steps)}; simulated in {result.meta['simulated']['wall_s']:.1f} s")
+    print(
+        f"steps per worker: min {min(steps)}, max {max(steps)}; simulated in {result.meta['simulated']['wall_s']:.1f} s"
+    )
     if args.target is not None:
         reached = time_to(result.epochs, args.target)
         print(f"to {100 * args.target:g}%: " + (f"{reached:.1f} s (virtual)" if reached is not None else "not reached"))

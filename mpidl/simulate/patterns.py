@@ -71,7 +71,6 @@ ALLREDUCES = {
 }
 
 
-
 def sent_by(pattern: Pattern, node_of: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(bytes each worker sends in ``pattern``, of which to other nodes)."""
     sent, inter = np.zeros(len(node_of)), np.zeros(len(node_of))

@@ -21,13 +21,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
 from collectives.tuning.costmodel import Params
 
-from .. import __version__, data, models
+from .. import __version__, data
 from ..slowdowns import RandomSlowdown
 from .adpsgd import ADPSGD
 from .allreduce import AllReduceSGD
@@ -36,7 +36,7 @@ from .network import Links, Network
 from .prague import Prague
 from .workers import Workers
 
-Schedule = AllReduceSGD | ADPSGD | Prague
+Schedule = Union[AllReduceSGD, ADPSGD, Prague]
 
 #: The simulated algorithms, by ``mpidl train``'s names.
 SIMULATED: dict[str, Callable[..., Schedule]] = {
@@ -86,7 +86,9 @@ class SimResult:
         return {"meta": self.meta, "epochs": self.epochs, "workers": self.workers}
 
 
-def simulate(config: SimConfig, dataset: data.Dataset | None = None, report: Callable[[str], None] | None = None) -> SimResult:
+def simulate(
+    config: SimConfig, dataset: data.Dataset | None = None, report: Callable[[str], None] | None = None
+) -> SimResult:
     """Run the simulation of ``config`` (one process); ``report`` gets a line per epoch.
 
     Raises:
@@ -122,7 +124,7 @@ def simulate(config: SimConfig, dataset: data.Dataset | None = None, report: Cal
     meta = _describe(config, dataset, workers, network, schedule)
     records: list[dict[str, Any]] = []
     for epoch in range(1, config.epochs + 1):
-        t0, sent0, inter0, steps0 = network.engine.now, network.sent.sum(), network.sent_inter.sum(), workers.taken
+        t0, sent0, inter0 = network.engine.now, network.sent.sum(), network.sent_inter.sum()
         workers.begin_epoch(epoch, schedule.uneven)
         schedule.epoch(epoch)
         loss, acc, consensus = workers.evaluate()
@@ -143,7 +145,6 @@ def simulate(config: SimConfig, dataset: data.Dataset | None = None, report: Cal
         )
         if report is not None:
             report(line(records[-1], config.epochs))
-        del steps0
     meta["simulated"]["wall_s"] = time.perf_counter() - started
     meta["simulated"]["events"] = network.engine.events
     return SimResult(meta, records, _per_worker(workers, network), workers.params)

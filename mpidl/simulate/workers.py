@@ -101,7 +101,9 @@ class Workers:
         if uneven:
             self._batches = [data.batch_stream(s, self.steps, self.seed, epoch, i) for i, s in enumerate(self.shards)]
         else:
-            self._batches = [iter(data.epoch_batches(s, self.steps, self.seed, epoch, i)) for i, s in enumerate(self.shards)]
+            self._batches = [
+                iter(data.epoch_batches(s, self.steps, self.seed, epoch, i)) for i, s in enumerate(self.shards)
+            ]
 
     def compute_time(self, i: int) -> float:
         """Virtual seconds worker ``i``'s next step computes (module docstring)."""
@@ -112,7 +114,9 @@ class Workers:
         optimizer's gradient."""
         batch = next(self._batches[i])
         ds = self.dataset
-        self.loss_sum += self.net.loss_and_grad(self.params[i], ds.x_train[batch], ds.y_train[batch], self.optimizers[i].grad)
+        self.loss_sum += self.net.loss_and_grad(
+            self.params[i], ds.x_train[batch], ds.y_train[batch], self.optimizers[i].grad
+        )
 
     def update(self, i: int) -> None:
         """Worker ``i``'s optimizer step with its gradient; one step more."""
