@@ -99,11 +99,11 @@ def simulate(
         raise ValueError(f"algorithm {config.algorithm!r} is not simulated; simulated: {', '.join(SIMULATED)}")
     if config.workers < 1 or config.ranks_per_node < 1 or config.epochs < 1:
         raise ValueError("workers, ranks per node and epochs must be at least 1")
-    started = time.perf_counter()
     if dataset is None:
         from mpi4py import MPI
 
         dataset = data.load(config.dataset, config.data_dir, MPI.COMM_SELF)
+    started = time.perf_counter()  # the simulation's own time, the dataset's loading left out
     dataset = dataset.subset(config.train_samples, config.test_samples)
     n = config.workers
     workers = Workers(
