@@ -39,7 +39,7 @@ from typing import Any, TypeVar, cast
 from mpi4py import MPI
 
 from ..errors import CollectiveError
-from . import logs
+from . import context, logs
 
 log = logging.getLogger("collectives.faults")
 C = TypeVar("C", bound=MPI.Comm)
@@ -145,12 +145,16 @@ def agree(comm: MPI.Comm, flag: bool) -> bool:
 
 def shrink(comm: MPI.Comm) -> tuple[MPI.Intracomm, list[int]]:
     """Collective over the survivors of ``comm``: a new communicator of them (errors
-    returned, ranks in their old order) and the ``MPI_COMM_WORLD`` ranks of those gone."""
+    returned, ranks in their old order) and the ``MPI_COMM_WORLD`` ranks of those gone.
+    The collectives' state of every communicator with one of those is left to the
+    process's end (:func:`~collectives.transport.context.abandon`)."""
     survivors = returning(cast(MPI.Intracomm, comm.Shrink()))
     world = MPI.COMM_WORLD.Get_group()
     before = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world)
     after = set(MPI.Group.Translate_ranks(survivors.Get_group(), list(range(survivors.Get_size())), world))
-    return survivors, [r for r in before if r not in after]
+    lost = [r for r in before if r not in after]
+    context.abandon(lost)
+    return survivors, lost
 
 
 def warn(message: str) -> None:
