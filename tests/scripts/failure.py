@@ -98,7 +98,6 @@ if mode == "survive":
 
     victim = {"active": 0, "passive": 1}[sys.argv[2]]
     faulthandler.dump_traceback_later(40)  # a hang shows where each thread waits
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     rng = np.random.default_rng([7, rank])
     x = rng.standard_normal(100)  # 800 bytes: every message is sent eagerly
     total = comm.allreduce(x)
