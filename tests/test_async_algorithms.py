@@ -284,6 +284,7 @@ def test_half_precision_torch_models(name: str, dtype: str) -> None:
         ("prague", {"local_steps": 0}, "local_steps must be an integer >= 1"),
         ("prague", {"policy": "fastest"}, "unknown policy 'fastest'"),
         ("adpsgd", {"topology": topology.ring(9)}, "has 9 ranks"),
+        ("adpsgd", {"on_failure": "retry"}, "unknown on_failure 'retry'; valid: abort, continue"),
     ],
 )
 def test_bad_options_raise_on_every_rank(name: str, options: dict, match: str) -> None:

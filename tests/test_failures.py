@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from mpitest import mpiexec, on_rank0_quietly
 
+from collectives.transport import faults
 from mpidl.runtime import FAILED_EXIT_CODE, STALL_EXIT_CODE, USAGE_EXIT_CODE
 
 pytestmark = pytest.mark.mpi
@@ -35,13 +37,20 @@ REPORT = re.compile(
 
 
 def run(
-    ranks: int, mode: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    ranks: int,
+    mode: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    options: list[str] | None = None,
 ) -> tuple[subprocess.CompletedProcess, float]:
-    """``tests/scripts/failure.py MODE ARGS`` on ``ranks`` ranks: the finished process, and the
-    seconds from the injected failure (as the script announces it) to the end of the job."""
+    """``tests/scripts/failure.py MODE ARGS`` on ``ranks`` ranks (``options`` for mpiexec): the
+    finished process, and the seconds from the injected failure (as the script announces
+    it) to the end of the job."""
 
     def go():
-        proc = mpiexec(ranks, ["tests/scripts/failure.py", mode, *args], timeout=timeout, env=env)
+        argv = ["tests/scripts/failure.py", mode, *args]
+        proc = mpiexec(ranks, argv, timeout=timeout, env=env, options=options or ())
         ended = time.time()
         failed = re.search(rf"^failure.py: rank \d+ {mode} at ([\d.]+)$", proc.stderr, re.M)
         assert failed, f"no failure was injected (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
@@ -280,3 +289,51 @@ def test_training_killed_mid_run_resumes(config: str, tmp_path_factory: pytest.T
     epochs = on_rank0_quietly(lambda: json.loads((out / "resumed.json").read_text())["epochs"])
     assert [e["epoch"] for e in epochs] == [1, 2, 3]
     assert epochs[-1]["test_acc"] >= 0.75, epochs
+
+
+#: Open MPI's mpiexec with ULFM on, 4 ranks on fewer cores, and (as root, as CI runs) allowed to run.
+ULFM_OPTIONS = ["--with-ft", "ulfm", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+#: What the survivors print: the largest difference of their sum, the world ranks lost, their number.
+SURVIVORS = re.compile(r"^failure\.py: survivors (\S+) ([\d,]+) (\d+)$", re.M)
+
+
+@pytest.mark.parametrize("role, victim", [("active", 0), ("passive", 1)])
+def test_adpsgd_survives_a_dead_worker(role: str, victim: int, tmp_path: Path) -> None:
+    """AD-PSGD with on_failure="continue" under ULFM, 4 workers, learning rate 0: worker 0
+    (active, between two averagings) or 1 (passive, holding its lock while requests wait)
+    is killed; the 3 survivors take all their steps, and their sum is the initial sum less
+    the dead worker's model (the averagings in flight abandoned or completed on both ends)."""
+    why = faults.unsupported()
+    if why is not None:
+        pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
+
+    def go() -> tuple[subprocess.CompletedProcess, float]:
+        # Open MPI may drop what a killed rank wrote last: the kill's time is its model file's.
+        env = {"FAILURE_DIR": str(tmp_path)}
+        proc = mpiexec(4, ["tests/scripts/failure.py", "survive", role], timeout=60, env=env, options=ULFM_OPTIONS)
+        return proc, time.time() - (tmp_path / "dead.npy").stat().st_mtime
+
+    proc, after = on_rank0_quietly(go)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert after < SLACK, after
+    survivors = SURVIVORS.search(proc.stdout)
+    assert survivors, proc.stdout[-3000:] + proc.stderr[-3000:]
+    error, lost, size = survivors.groups()
+    assert (lost, size) == (str(victim), "3"), proc.stdout[-3000:]
+    assert float(error) < 1e-12, proc.stdout[-3000:]
+    assert f"AD-PSGD: worker(s) {victim} of MPI_COMM_WORLD failed; 3 continue over the graph bipartite(3)" in (
+        proc.stderr
+    ), proc.stderr[-3000:]
+
+
+def test_without_ulfm_a_dead_worker_still_ends_the_job(tmp_path: Path) -> None:
+    """on_failure="continue" where the MPI library has no ULFM (MPICH): a warning says so,
+    and the kill ends the job, within seconds, as it does by default."""
+    why = faults.unsupported()
+    if why is None:
+        pytest.skip("this MPI library has ULFM: test_adpsgd_survives_a_dead_worker runs instead")
+    proc, after = run(4, "survive", "active", env={"FAILURE_DIR": str(tmp_path)}, timeout=60)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert after < SLACK, after
+    assert "AD-PSGD on_failure='continue': ULFM is not available (mpi4py has no ULFM calls" in proc.stderr
+    assert "a worker that dies ends the job (the fail-fast abort stays)" in proc.stderr, proc.stderr[-3000:]
