@@ -964,6 +964,21 @@ def _describe(
         "device": str(net.device),
         "threads": threads,
         "uneven_steps": algo.uneven_steps,
+        **schedule_meta(config, steps),
+        "polled_waits": polled,
+        "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+    }
+    topo = getattr(algo, "topology", None)
+    if isinstance(topo, Topology):
+        meta["topology"] = {"name": topo.name, "spectral_gap": topo.spectral_gap}
+    return meta
+
+
+def schedule_meta(config: Any, steps: int) -> dict[str, Any]:
+    """The run description's fields of the schedule and the pace (epochs, steps per epoch,
+    batch, optimizer, seed, slowdowns, step time) that ``mpidl train`` and ``mpidl
+    simulate`` share: ``config`` a :class:`TrainConfig` or a simulation's config."""
+    return {
         "epochs": config.epochs,
         "steps_per_epoch": steps,
         "batch_size": config.batch_size,
@@ -973,13 +988,7 @@ def _describe(
         "slow": {str(r): f for r, f in sorted(config.slow.items())},
         "slowdown": config.slowdown.describe() if config.slowdown is not None else None,
         "step_time_s": config.step_time,
-        "polled_waits": polled,
-        "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
     }
-    topo = getattr(algo, "topology", None)
-    if isinstance(topo, Topology):
-        meta["topology"] = {"name": topo.name, "spectral_gap": topo.spectral_gap}
-    return meta
 
 
 def _header(meta: dict[str, Any]) -> str:

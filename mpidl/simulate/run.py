@@ -29,6 +29,7 @@ from collectives.tuning.costmodel import Params
 
 from .. import __version__, data
 from ..slowdowns import RandomSlowdown
+from ..train import schedule_meta
 from .adpsgd import ADPSGD
 from .allreduce import AllReduceSGD
 from .engine import Engine
@@ -190,15 +191,7 @@ def _describe(
         "model_bytes": workers.nbytes,
         "backend": "numpy",
         "uneven_steps": schedule.uneven,
-        "epochs": config.epochs,
-        "steps_per_epoch": workers.steps,
-        "batch_size": config.batch_size,
-        "lr": config.lr,
-        "momentum": config.momentum,
-        "seed": config.seed,
-        "slow": {str(r): f for r, f in sorted(config.slow.items())},
-        "slowdown": config.slowdown.describe() if config.slowdown is not None else None,
-        "step_time_s": config.step_time,
+        **schedule_meta(config, workers.steps),
         "simulated": {
             "rate_Bps": links.inter,
             "intra_Bps": links.intra,
