@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import mpitest
 import numpy as np
 import pytest
 from mpitest import mpiexec, on_rank0_quietly
@@ -337,3 +339,26 @@ def test_without_ulfm_a_dead_worker_still_ends_the_job(tmp_path: Path) -> None:
     assert after < SLACK, after
     assert "AD-PSGD on_failure='continue': ULFM is not available (mpi4py has no ULFM calls" in proc.stderr
     assert "a worker that dies ends the job (the fail-fast abort stays)" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_orphaned_segments_are_removed_and_mapped_ones_kept() -> None:
+    """The test helper removes MPICH segments of killed jobs (new, mapped by no live
+    process) and never one that a live process maps (on rank 0 alone: another rank's
+    files would be new to it too)."""
+    if not os.path.isdir(mpitest.SHM):
+        pytest.skip(f"no {mpitest.SHM}")
+
+    def check() -> tuple[list[str], bool, bool]:
+        before = mpitest._segments()
+        orphan, live = (os.path.join(mpitest.SHM, f"{mpitest.SEGMENT}test_{os.getpid()}_{k}") for k in ("a", "b"))
+        for path in (orphan, live):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 4096)
+        with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            removed = [name for name in mpitest.remove_orphaned_segments(before) if f"test_{os.getpid()}_" in name]
+            kept = os.path.exists(live)
+        os.unlink(live)
+        return removed, kept, os.path.exists(orphan)
+
+    removed, kept, orphan_left = on_rank0_quietly(check)
+    assert len(removed) == 1 and removed[0].endswith("_a") and kept and not orphan_left, removed
