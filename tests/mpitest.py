@@ -126,7 +126,8 @@ def remove_orphaned_segments(before: set[str]) -> list[str]:
     """Remove MPICH's segments that appeared since ``before`` and that no live process
     maps: a job whose ranks were killed (``MPI_Abort``, SIGKILL) leaves them, as MPICH
     removes them only when its ranks end cleanly. Returns the names removed."""
-    orphans = sorted((_segments() - before) - _mapped())
+    new = _segments() - before
+    orphans = sorted(new - _mapped()) if new else []  # reading every process's maps only when needed
     for name in orphans:
         with contextlib.suppress(OSError):  # removed meanwhile
             os.unlink(os.path.join(SHM, name))
