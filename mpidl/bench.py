@@ -18,9 +18,13 @@ either of them from the persisted cache, or the model), auto's time over the
 fastest of every other candidate (mpidl's fixed algorithms, "mpi" and the
 native variants) and native's over auto's, and at the smallest and largest
 sizes the cost model's order of the algorithms against the measured one.
-``auto`` measures and tunes during the warm-up and first repetitions like any
-program's first calls; ``MPIDL_TUNING_CACHE=0`` keeps it from using or
-leaving measurements of earlier runs.
+``auto`` calibrates during its warm-up like any program's first calls, and
+tunes there in full (deterministic tuning, as ``mpidl train`` has it: every
+tuning call on a copy of the first call's buffer,
+:mod:`collectives.tuning.settings`), so the timed calls measure what auto
+runs from then on, and the tuning is finished and saved however few calls a
+size gets. ``MPIDL_TUNING_CACHE=0`` keeps it from using or leaving
+measurements of earlier runs.
 
 On ``--device cuda`` the run also measures the device reduction that every
 algorithm's combine step runs (CuPy's ufunc into its first operand) at the
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import dataclasses
 import functools
 import importlib
 import json
@@ -216,6 +221,39 @@ def run(
     xp = np if device == "cpu" else importlib.import_module("cupy")
     prm = collectives.cost_params(comm, device=device)
     fns = candidates(names, validate, device)
+    tuning = collectives.set_tuning(deterministic=True)  # auto tunes in full at its first call (docstring)
+    try:
+        results = _sweep(comm, sizes, fns, dtype, xp, repeat, batch_time, tuned_malloc, progress)
+    finally:
+        collectives.set_tuning(**dataclasses.asdict(tuning))
+    beta = prm.beta_inter if lay.nodes > 1 else prm.beta_intra
+    for r in results:
+        native = min(q.time for q in results if q.size == r.size and q.algorithm.startswith("native"))
+        r.vs_native = native / r.time
+        r.vs_bound = costmodel.model_bound(r.size, n, beta) / r.time
+        if r.algorithm == "auto":
+            choice = collectives.explain(r.size, comm, device=device, validate=validate, dtype=dtype)
+            r.chosen, r.source = choice.algorithm, choice.source
+            r.predicted = choice.predictions.get(choice.algorithm, 0.0)
+        elif r.algorithm in costmodel.MODELS:
+            r.predicted = costmodel.predict(r.algorithm, r.size, lay, prm, validate=validate)
+    return results
+
+
+def _sweep(
+    comm: Any,
+    sizes: Sequence[int],
+    fns: dict[str, Callable[[Any], object]],
+    dtype: str,
+    xp: Any,
+    repeat: int,
+    batch_time: float,
+    tuned_malloc: bool,
+    progress: bool,
+) -> list[Result]:
+    """Time every candidate at every size (see :func:`run`); vs_native, vs_bound and
+    predicted are left at 0."""
+    n = comm.Get_size()
     results: list[Result] = []
     steps = [(size, phase) for size in sizes for phase in (["default", "tuned"] if tuned_malloc else ["default"])]
     bar = _progress(len(steps), progress and comm.Get_rank() == 0)
@@ -235,17 +273,6 @@ def run(
         bar.update(1)
     bar.close()
     _mallopt(False)
-    beta = prm.beta_inter if lay.nodes > 1 else prm.beta_intra
-    for r in results:
-        native = min(q.time for q in results if q.size == r.size and q.algorithm.startswith("native"))
-        r.vs_native = native / r.time
-        r.vs_bound = costmodel.model_bound(r.size, n, beta) / r.time
-        if r.algorithm == "auto":
-            choice = collectives.explain(r.size, comm, device=device, validate=validate, dtype=dtype)
-            r.chosen, r.source = choice.algorithm, choice.source
-            r.predicted = choice.predictions.get(choice.algorithm, 0.0)
-        elif r.algorithm in costmodel.MODELS:
-            r.predicted = costmodel.predict(r.algorithm, r.size, lay, prm, validate=validate)
     return results
 
 

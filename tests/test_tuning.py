@@ -14,6 +14,7 @@ from mpitest import all_ok
 
 import collectives
 from collectives.transport import p2p
+from mpidl import bench
 from collectives.tuning import cache, online, selector, sweep
 from collectives.tuning.table import GRID, Table, band, needed
 
@@ -219,6 +220,21 @@ def test_online_tuning_runs_the_close_candidates_agrees_and_persists(
         assert all_ok(comm, again.source == "cached online tuning" and again.algorithm == choice.algorithm)
     finally:
         comm.Free()
+
+
+@pytest.mark.timeout(60)
+def test_bench_times_auto_after_its_tuning(fresh: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mpidl bench`` times auto's steady state: its online tuning runs in full at its first
+    call, however few calls a size gets (here 4, where the tuning takes 9 or more; an
+    unfinished tuning is lost at exit, and each new process then chose by how many calls
+    its batch timing happened to make). The switches are put back after."""
+    if fresh.size == 1:
+        pytest.skip("one rank has nothing to tune")
+    tune_everything(monkeypatch)
+    results = bench.run([13 * KIB], ["auto", "ring"], repeat=1, batch_time=0.0, progress=False)
+    auto = next(r for r in results if r.algorithm == "auto")
+    assert all_ok(fresh, auto.source.endswith("online tuning")), auto.source
+    assert collectives.set_tuning() == collectives.TuningSettings(online=True, deterministic=False, cache=True)
 
 
 @pytest.mark.timeout(60)
