@@ -14,6 +14,8 @@ from mpitest import comm_of_size, on_rank0_quietly
 from mpidl import cli, data, train
 from mpidl.simulate import Engine, Links, Network, SimConfig, parse_rate, simulate
 from mpidl.simulate.adpsgd import ADPSGD
+from mpidl.simulate.dpsgd import DPSGD
+from mpidl.simulate.grsgd import GRSGD
 from mpidl.simulate.network import max_min_rates
 from mpidl.simulate.patterns import hierarchical_ring, ring
 from mpidl.simulate.prague import Prague
@@ -105,22 +107,25 @@ def workers(n: int, dataset: data.Dataset, lr: float = 0.05, **kw) -> Workers:
 @pytest.mark.parametrize(
     "make",
     [
+        lambda w, net: DPSGD(w, net),
+        lambda w, net: GRSGD(w, net),
+        lambda w, net: GRSGD(w, net, max_lead=0),
         lambda w, net: ADPSGD(w, net),
         lambda w, net: Prague(w, net, policy="smart"),
         lambda w, net: Prague(w, net, policy="random"),
         lambda w, net: Prague(w, net, policy="aware", group_size=3),
     ],
-    ids=["adpsgd", "prague-smart", "prague-random", "prague-aware"],
+    ids=["dpsgd", "grsgd", "grsgd-lead-0", "adpsgd", "prague-smart", "prague-random", "prague-aware"],
 )
 @pytest.mark.parametrize("n", [3, 6])
-def test_asynchronous_averaging_keeps_the_sum_at_lr_0(make, n: int, digits: data.Dataset) -> None:
+def test_averaging_keeps_the_sum_at_lr_0(make, n: int, digits: data.Dataset) -> None:
     w = workers(n, digits, lr=0.0, slow={n - 1: 4.0})
     w.params[...] = np.random.default_rng(n).standard_normal(w.params.shape).astype(np.float32)
     before = w.params.astype(np.float64).sum(axis=0)
     spread = w.evaluate()[2]
     net = Network(Engine(), [i // 2 for i in range(n)], LINKS)
     schedule = make(w, net)
-    w.begin_epoch(1, uneven=True)
+    w.begin_epoch(1, schedule.uneven)
     schedule.epoch(1)
     assert w.taken >= n * w.steps
     assert np.allclose(w.params.astype(np.float64).sum(axis=0), before, rtol=0, atol=1e-4)
@@ -167,6 +172,29 @@ def test_simulated_allreduce_sgd_is_the_real_one(digits: data.Dataset) -> None:
     assert np.array_equal(sim.params[comm.Get_rank()], real.params)
     assert (sim.params == sim.params[0]).all()
     assert [e["test_acc"] for e in sim.epochs] == pytest.approx([e["test_acc"] for e in real.epochs], abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "algorithm, options, ranks_per_node, size",
+    [
+        ("dpsgd", {}, 2, 3),
+        ("grsgd", {"max_lead": 0}, 2, 3),
+        ("lsgd", {"collective": "ring", "layout": "1"}, 1, 2),
+    ],
+)
+def test_simulated_synchronous_gossip_is_the_real_one(
+    algorithm: str, options: dict, ranks_per_node: int, size: int, digits: data.Dataset
+) -> None:
+    """D-PSGD, GR-SGD without lead (deterministic) and LSGD (two groups of one: the sum of
+    two does not depend on its order) simulated hold a real run's bits on the same seeds."""
+    comm = comm_of_size(size)
+    common = {"hidden": (16,), "epochs": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.9, "seed": 3}
+    config = train.TrainConfig(algorithm, options, dataset="digits", backend="numpy", progress=False, **common)
+    real = train.train(config, comm)
+    simulated = {k: v for k, v in options.items() if k not in ("collective", "layout")}
+    size = comm.Get_size()
+    sim = simulate(SimConfig(algorithm, simulated, workers=size, ranks_per_node=ranks_per_node, **common), digits)
+    assert np.array_equal(sim.params[comm.Get_rank()], real.params)
 
 
 def test_the_command_simulates_16_workers(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

@@ -19,12 +19,13 @@ import json
 import re
 from typing import Any
 
+from algorithms.topology import TOPOLOGIES
 from collectives.tuning.costmodel import Params
 
 from .. import data
 from ..compare import time_to
 from ..stepclock import parse_duration
-from ..train import _nonnegative_float, _parse_slowdown, _positive_int, _sizes, parse_slow
+from ..train import _nonnegative_float, _nonnegative_int, _parse_slowdown, _positive_int, _sizes, parse_slow
 from .network import parse_rate
 from .patterns import ALLREDUCES
 from .prague import POLICIES
@@ -84,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slowdown", type=_parse_slowdown, metavar="p=PROB,F=FACTOR,P=STEPS", help="random slowdowns")
     g = p.add_argument_group("algorithm")
     g.add_argument("--collective", choices=list(ALLREDUCES), help="allreduce: (default hierarchical_ring)")
+    g.add_argument("--topology", choices=list(TOPOLOGIES), help="dpsgd: the graph (default ring)")
+    g.add_argument("--max-lead", type=_nonnegative_int, help="grsgd: steps ahead of the exchanges (default 2)")
     g.add_argument("--policy", choices=POLICIES, help="prague: the group generator's policy (default smart)")
     g.add_argument("--group-size", type=_positive_int, help="prague: (default 2)")
     g.add_argument("--local-steps", type=_positive_int, help="prague: steps between averagings (default 1)")
@@ -109,7 +112,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         ValueError: an option given for an algorithm that does not take it, or an
             unreadable ``--costmodel`` file.
     """
-    keywords = {"collective": "allreduce", "policy": "prague", "group_size": "prague", "local_steps": "prague"}
+    keywords = {
+        "collective": "allreduce",
+        "topology": "dpsgd",
+        "max_lead": "grsgd",
+        "policy": "prague",
+        "group_size": "prague",
+        "local_steps": "prague",
+    }
     options: dict[str, Any] = {}
     for key, algorithm in keywords.items():
         value = getattr(args, key)

@@ -10,9 +10,10 @@ nodes a flow uses s's node's up link and d's node's down link; inside a node
 it uses the node's fabric only.
 
 Sharing: whenever flows start or end, the rates of all flows in flight are
-recomputed (once for all the flows that start at the same instant) max-min fairly over the links (progressive filling: the link whose
-capacity divided by its unfrozen flows is least fixes those flows at that
-share; repeat with the capacity left), the fluid model of TCP's steady state
+recomputed max-min fairly over the links (once for all the flows that start
+at the same instant; progressive filling: the link whose capacity divided by
+its unfrozen flows is least fixes those flows at that share; repeat with the
+capacity left), the fluid model of TCP's steady state
 that flow-level simulators use (e.g. SimGrid's LV08 without its TCP-window
 bound; Velho & Legrand, "Accuracy Study and Improvement of Network Simulation
 in the SimGrid Framework", SIMUTools 2009). So a lone flow takes

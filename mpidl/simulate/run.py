@@ -32,16 +32,22 @@ from ..slowdowns import RandomSlowdown
 from ..train import schedule_meta
 from .adpsgd import ADPSGD
 from .allreduce import AllReduceSGD
+from .dpsgd import DPSGD
 from .engine import Engine
+from .grsgd import GRSGD
+from .lsgd import LSGD
 from .network import Links, Network
 from .prague import Prague
 from .workers import Workers
 
-Schedule = Union[AllReduceSGD, ADPSGD, Prague]
+Schedule = Union[AllReduceSGD, DPSGD, LSGD, GRSGD, ADPSGD, Prague]
 
 #: The simulated algorithms, by ``mpidl train``'s names.
 SIMULATED: dict[str, Callable[..., Schedule]] = {
     "allreduce": AllReduceSGD,
+    "dpsgd": DPSGD,
+    "lsgd": LSGD,
+    "grsgd": GRSGD,
     "adpsgd": ADPSGD,
     "prague": Prague,
 }

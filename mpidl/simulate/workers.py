@@ -134,9 +134,11 @@ class Workers:
             self.params[i], ds.x_train[batch], ds.y_train[batch], self.optimizers[i].grad
         )
 
-    def update(self, i: int) -> None:
-        """Worker ``i``'s optimizer step with its gradient; one step more."""
-        self.optimizers[i].step()
+    def update(self, i: int, apply: bool = True) -> None:
+        """Worker ``i``'s optimizer step with its gradient (none if not ``apply``: a step
+        that has no gradient to apply yet); one step more."""
+        if apply:
+            self.optimizers[i].step()
         self.iterations[i] += 1
         self.taken += 1
 
