@@ -14,6 +14,7 @@ from mpitest import comm_of_size, on_rank0_quietly
 from mpidl import cli, data, train
 from mpidl.simulate import Engine, Links, Network, SimConfig, parse_rate, simulate
 from mpidl.simulate.adpsgd import ADPSGD
+from mpidl.simulate.cli import parse_count as cli_parse_count
 from mpidl.simulate.dpsgd import DPSGD
 from mpidl.simulate.grsgd import GRSGD
 from mpidl.simulate.network import max_min_rates
@@ -197,6 +198,29 @@ def test_simulated_synchronous_gossip_is_the_real_one(
     assert np.array_equal(sim.params[comm.Get_rank()], real.params)
 
 
+def test_cost_params_charge_the_network_for_a_larger_model(digits: data.Dataset) -> None:
+    """--cost-params: the all-reduce moves that model's bytes (the ring's textbook time),
+    the numerics stay the MLP's."""
+    from collectives.tuning.costmodel import Params
+
+    def run(**kw) -> tuple[dict, np.ndarray]:
+        ring4 = {"workers": 4, "ranks_per_node": 1, "rate": B, "step_time": 0.1}
+        config = SimConfig("allreduce", {"collective": "ring"}, hidden=(16,), epochs=1, batch_size=16, **ring4, **kw)
+        result = simulate(config, digits)
+        return result.meta, result.params
+
+    plain, numerics = run()
+    meta, params = run(cost_params=25_600_000)
+    m = 4 * 25_600_000
+    assert meta["simulated"]["charged_bytes"] == m and meta["simulated"]["charged_parameters"] == 25_600_000
+    assert meta["model_bytes"] == plain["model_bytes"] == plain["simulated"]["charged_bytes"] < m
+    assert meta["simulated"]["allreduce_s"] == pytest.approx(2 * 3 * (Params().alpha_inter + m / (4 * B)), rel=1e-12)
+    assert np.array_equal(params, numerics)
+    with pytest.raises(ValueError, match="cost_params"):
+        run(cost_params=0)
+    assert cli_parse_count("25.6M") == 25_600_000 and cli_parse_count("1k") == 1000
+
+
 def test_the_command_simulates_16_workers(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     def run() -> tuple[int, str]:
         argv = ["simulate", "--algorithm", "adpsgd", "--workers", "16", "--dataset", "digits", "--hidden", "16"]
@@ -208,4 +232,6 @@ def test_the_command_simulates_16_workers(capsys: pytest.CaptureFixture[str], tm
     assert status == 0
     assert "epoch   2/2" in out and "to 50%:" in out
     status = on_rank0_quietly(lambda: cli.main(["simulate", "--algorithm", "adpsgd", "--policy", "smart"]))
+    assert status == 2
+    status = on_rank0_quietly(lambda: cli.main(["simulate", "--algorithm", "lsgd", "--max-lead", "1"]))
     assert status == 2
