@@ -5,7 +5,7 @@
 
 For every link rate, heterogeneity model and number of workers, every
 algorithm is simulated (``mpidl simulate``'s :func:`mpidl.simulate.simulate`,
-one process) for one epoch of ``--steps`` steps per worker on a GPU-like
+one process) for one epoch of ``--steps`` steps per worker (default 10) on a GPU-like
 cluster: a step computes ``--step-time`` (default 150 ms: ResNet-50 at a
 batch of 64 on a V100-class GPU, about 430 images/s) and communication is
 charged for ``--cost-params`` float32 parameters (default 25.6M,
@@ -127,7 +127,9 @@ def plot(path: str, results: dict, rates: list[str], conditions: list[str], algo
         axes[1][c].set_ylim(0, 105)
     axes[0][0].set_ylabel("speedup over AllReduce-SGD")
     axes[1][0].set_ylabel("scaling efficiency (%)")
-    plotting.finish(fig, [axes[0][0]], path)
+    for ax in axes.flat[1:]:
+        ax.grid(True, which="both", alpha=0.3)
+    plotting.finish(fig, [axes[0][0]], path)  # the legend on the first panel only
 
 
 def main() -> int:
@@ -137,7 +139,7 @@ def main() -> int:
     p.add_argument("--rates", default="10gbit,100gbit", help="the nodes' links (default 10gbit,100gbit)")
     p.add_argument("--conditions", default=",".join(CONDITIONS), help="(default none,straggler,random)")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="(default all simulated)")
-    p.add_argument("--steps", type=int, default=5, help="steps per worker in a cell (default 5)")
+    p.add_argument("--steps", type=int, default=10, help="steps per worker in a cell (default 10)")
     p.add_argument("--step-time", type=parse_duration, default="150ms", help="(default 150ms)")
     p.add_argument("--cost-params", type=parse_count, default="25.6M", help="(default 25.6M, ResNet-50's)")
     p.add_argument("--ranks-per-node", type=int, default=4, help="(default 4)")
