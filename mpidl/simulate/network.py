@@ -189,7 +189,8 @@ class Network:
         self._rates = max_min_rates(self._capacity, self._links)
         self._version += 1
         if self._left.size:
-            self.engine.after(float(np.min(self._left / self._rates)), self._end, self._version)
+            # max: a flow that ended as others began has rounded to a few bytes below 0
+            self.engine.after(max(0.0, float(np.min(self._left / self._rates))), self._end, self._version)
 
     def _end(self, version: int) -> None:
         if version != self._version:  # the rates changed since: a later event stands for this one
