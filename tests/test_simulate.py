@@ -56,6 +56,19 @@ def test_two_flows_share_a_nic_fairly() -> None:
     assert long == pytest.approx(ALPHA + 3 * M / B, rel=1e-12)
 
 
+def test_a_flow_that_ends_as_another_begins_ends_then() -> None:
+    """Rounding leaves the first flow a few bytes below 0 when the second begins at its
+    end: it ends at that instant (its end was once scheduled in the past: an error)."""
+    engine = Engine()
+    net = Network(engine, [0, 1, 2], LINKS)
+    out: list[float] = []
+    sizes, starts = (2217.0, 4667404.0, 6080007.0), (0.0, 1.7736000000000004e-05, 0.009299046006566758)
+    for (src, dst), nbytes, start in zip([(0, 1), (0, 2), (2, 1)], sizes, starts):
+        engine.at(start, net.transfer, src, dst, nbytes, lambda: out.append(engine.now))
+    engine.run()
+    assert out[0] == pytest.approx(ALPHA + sizes[0] / B, rel=1e-12) and len(out) == 3
+
+
 def test_max_min_gives_the_unshared_capacity_to_the_others() -> None:
     # Links 0..3 up, 4..7 down, one unlimited (8); three flows out of node 0 and one
     # from node 3 into node 1: node 0's up link gives each of its flows B/3, so the
