@@ -106,7 +106,7 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="two workers"):
         Network(Engine(), [0, 1], LINKS).transfer(1, 1, 10, lambda: None)
     with pytest.raises(ValueError, match="not simulated"):
-        simulate(SimConfig(algorithm="dpsgd"))
+        simulate(SimConfig(algorithm="ddp"))
 
 
 @pytest.fixture(scope="module")
