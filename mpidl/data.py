@@ -390,10 +390,16 @@ def load(name: str, data_dir: str | None = None, comm: MPI.Comm | None = None) -
 def shard(n: int, rank: int, size: int, seed: int, shuffle: bool = True) -> np.ndarray:
     """The training-sample indices of worker ``rank`` of ``size`` (module docstring;
     ``shuffle=False``: consecutive blocks of the samples in order)."""
+    return shards(n, size, seed, shuffle)[rank]
+
+
+def shards(n: int, size: int, seed: int, shuffle: bool = True) -> list[np.ndarray]:
+    """Every worker's :func:`shard`, drawn once (what one process simulating all
+    ``size`` workers needs)."""
     if n < size:
         raise DatasetError(f"{n} training samples cannot be shared among {size} workers")
     perm = np.random.default_rng([seed, _SHARD_STREAM]).permutation(n) if shuffle else np.arange(n)
-    return np.array_split(perm, size)[rank]
+    return np.array_split(perm, size)
 
 
 def steps_per_epoch(n: int, size: int, batch_size: int) -> int:

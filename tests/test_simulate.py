@@ -14,6 +14,9 @@ from mpitest import comm_of_size, on_rank0_quietly
 from mpidl import cli, data, train
 from mpidl.simulate import Engine, Links, Network, SimConfig, parse_rate, simulate
 from mpidl.simulate.adpsgd import ADPSGD
+from mpidl.simulate.cli import parse_count as cli_parse_count
+from mpidl.simulate.dpsgd import DPSGD
+from mpidl.simulate.grsgd import GRSGD
 from mpidl.simulate.network import max_min_rates
 from mpidl.simulate.patterns import hierarchical_ring, ring
 from mpidl.simulate.prague import Prague
@@ -53,6 +56,19 @@ def test_two_flows_share_a_nic_fairly() -> None:
     assert long == pytest.approx(ALPHA + 3 * M / B, rel=1e-12)
 
 
+def test_a_flow_that_ends_as_another_begins_ends_then() -> None:
+    """Rounding leaves the first flow a few bytes below 0 when the second begins at its
+    end: it ends at that instant (its end was once scheduled in the past: an error)."""
+    engine = Engine()
+    net = Network(engine, [0, 1, 2], LINKS)
+    out: list[float] = []
+    sizes, starts = (2217.0, 4667404.0, 6080007.0), (0.0, 1.7736000000000004e-05, 0.009299046006566758)
+    for (src, dst), nbytes, start in zip([(0, 1), (0, 2), (2, 1)], sizes, starts):
+        engine.at(start, net.transfer, src, dst, nbytes, lambda: out.append(engine.now))
+    engine.run()
+    assert out[0] == pytest.approx(ALPHA + sizes[0] / B, rel=1e-12) and len(out) == 3
+
+
 def test_max_min_gives_the_unshared_capacity_to_the_others() -> None:
     # Links 0..3 up, 4..7 down, one unlimited (8); three flows out of node 0 and one
     # from node 3 into node 1: node 0's up link gives each of its flows B/3, so the
@@ -90,7 +106,7 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="two workers"):
         Network(Engine(), [0, 1], LINKS).transfer(1, 1, 10, lambda: None)
     with pytest.raises(ValueError, match="not simulated"):
-        simulate(SimConfig(algorithm="dpsgd"))
+        simulate(SimConfig(algorithm="ddp"))
 
 
 @pytest.fixture(scope="module")
@@ -105,22 +121,25 @@ def workers(n: int, dataset: data.Dataset, lr: float = 0.05, **kw) -> Workers:
 @pytest.mark.parametrize(
     "make",
     [
+        lambda w, net: DPSGD(w, net),
+        lambda w, net: GRSGD(w, net),
+        lambda w, net: GRSGD(w, net, max_lead=0),
         lambda w, net: ADPSGD(w, net),
         lambda w, net: Prague(w, net, policy="smart"),
         lambda w, net: Prague(w, net, policy="random"),
         lambda w, net: Prague(w, net, policy="aware", group_size=3),
     ],
-    ids=["adpsgd", "prague-smart", "prague-random", "prague-aware"],
+    ids=["dpsgd", "grsgd", "grsgd-lead-0", "adpsgd", "prague-smart", "prague-random", "prague-aware"],
 )
 @pytest.mark.parametrize("n", [3, 6])
-def test_asynchronous_averaging_keeps_the_sum_at_lr_0(make, n: int, digits: data.Dataset) -> None:
+def test_averaging_keeps_the_sum_at_lr_0(make, n: int, digits: data.Dataset) -> None:
     w = workers(n, digits, lr=0.0, slow={n - 1: 4.0})
     w.params[...] = np.random.default_rng(n).standard_normal(w.params.shape).astype(np.float32)
     before = w.params.astype(np.float64).sum(axis=0)
     spread = w.evaluate()[2]
     net = Network(Engine(), [i // 2 for i in range(n)], LINKS)
     schedule = make(w, net)
-    w.begin_epoch(1, uneven=True)
+    w.begin_epoch(1, schedule.uneven)
     schedule.epoch(1)
     assert w.taken >= n * w.steps
     assert np.allclose(w.params.astype(np.float64).sum(axis=0), before, rtol=0, atol=1e-4)
@@ -169,6 +188,52 @@ def test_simulated_allreduce_sgd_is_the_real_one(digits: data.Dataset) -> None:
     assert [e["test_acc"] for e in sim.epochs] == pytest.approx([e["test_acc"] for e in real.epochs], abs=1e-3)
 
 
+@pytest.mark.parametrize(
+    "algorithm, options, ranks_per_node, size",
+    [
+        ("dpsgd", {}, 2, 3),
+        ("grsgd", {"max_lead": 0}, 2, 3),
+        ("lsgd", {"collective": "ring", "layout": "1"}, 1, 2),
+    ],
+)
+def test_simulated_synchronous_gossip_is_the_real_one(
+    algorithm: str, options: dict, ranks_per_node: int, size: int, digits: data.Dataset
+) -> None:
+    """D-PSGD, GR-SGD without lead (deterministic) and LSGD (two groups of one: the sum of
+    two does not depend on its order) simulated hold a real run's bits on the same seeds."""
+    comm = comm_of_size(size)
+    common = {"hidden": (16,), "epochs": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.9, "seed": 3}
+    config = train.TrainConfig(algorithm, options, dataset="digits", backend="numpy", progress=False, **common)
+    real = train.train(config, comm)
+    simulated = {k: v for k, v in options.items() if k not in ("collective", "layout")}
+    size = comm.Get_size()
+    sim = simulate(SimConfig(algorithm, simulated, workers=size, ranks_per_node=ranks_per_node, **common), digits)
+    assert np.array_equal(sim.params[comm.Get_rank()], real.params)
+
+
+def test_cost_params_charge_the_network_for_a_larger_model(digits: data.Dataset) -> None:
+    """--cost-params: the all-reduce moves that model's bytes (the ring's textbook time),
+    the numerics stay the MLP's."""
+    from collectives.tuning.costmodel import Params
+
+    def run(**kw) -> tuple[dict, np.ndarray]:
+        ring4 = {"workers": 4, "ranks_per_node": 1, "rate": B, "step_time": 0.1}
+        config = SimConfig("allreduce", {"collective": "ring"}, hidden=(16,), epochs=1, batch_size=16, **ring4, **kw)
+        result = simulate(config, digits)
+        return result.meta, result.params
+
+    plain, numerics = run()
+    meta, params = run(cost_params=25_600_000)
+    m = 4 * 25_600_000
+    assert meta["simulated"]["charged_bytes"] == m and meta["simulated"]["charged_parameters"] == 25_600_000
+    assert meta["model_bytes"] == plain["model_bytes"] == plain["simulated"]["charged_bytes"] < m
+    assert meta["simulated"]["allreduce_s"] == pytest.approx(2 * 3 * (Params().alpha_inter + m / (4 * B)), rel=1e-12)
+    assert np.array_equal(params, numerics)
+    with pytest.raises(ValueError, match="cost_params"):
+        run(cost_params=0)
+    assert cli_parse_count("25.6M") == 25_600_000 and cli_parse_count("1k") == 1000
+
+
 def test_the_command_simulates_16_workers(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     def run() -> tuple[int, str]:
         argv = ["simulate", "--algorithm", "adpsgd", "--workers", "16", "--dataset", "digits", "--hidden", "16"]
@@ -180,4 +245,6 @@ def test_the_command_simulates_16_workers(capsys: pytest.CaptureFixture[str], tm
     assert status == 0
     assert "epoch   2/2" in out and "to 50%:" in out
     status = on_rank0_quietly(lambda: cli.main(["simulate", "--algorithm", "adpsgd", "--policy", "smart"]))
+    assert status == 2
+    status = on_rank0_quietly(lambda: cli.main(["simulate", "--algorithm", "lsgd", "--max-lead", "1"]))
     assert status == 2

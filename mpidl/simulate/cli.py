@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
+from algorithms.topology import TOPOLOGIES
 from collectives.tuning.costmodel import Params
 
 from .. import data
 from ..compare import time_to
 from ..stepclock import parse_duration
-from ..train import _nonnegative_float, _parse_slowdown, _positive_int, _sizes, parse_slow
+from ..train import _nonnegative_float, _nonnegative_int, _parse_slowdown, _positive_int, _sizes, parse_slow
 from .network import parse_rate
 from .patterns import ALLREDUCES
 from .prague import POLICIES
@@ -37,6 +39,22 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+_COUNT = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]?)\s*", re.IGNORECASE)
+
+
+def parse_count(text: str) -> int:
+    """A parameter count, plain or with a k, M or G suffix: "25557032", "25.6M".
+
+    Raises:
+        argparse.ArgumentTypeError: not such a count, or below 1.
+    """
+    match = _COUNT.fullmatch(text)
+    value = round(float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2).lower()]) if match else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a parameter count such as 25557032 or 25.6M, got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``mpidl simulate`` options."""
     defaults = SimConfig()
@@ -48,15 +66,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--rate", type=_rate, default="1gbit", help="every node's link, each way (default 1gbit)")
     g.add_argument(
+        "--intra-rate", type=_rate, help="a node's fabric, shared by its workers (default: the cost model's)"
+    )
+    g.add_argument(
         "--costmodel",
         metavar="FILE",
         help="the latencies and intra-node rate from a cost-model calibration (default: its built-in values)",
     )
     g.add_argument("--step-time", type=parse_duration, default="150ms", help="paced step C (default 150ms)")
+    g.add_argument(
+        "--cost-params",
+        type=parse_count,
+        metavar="N",
+        help="charge communication for a model of N float32 parameters (e.g. 25.6M, ResNet-50's) "
+        "while the numerics run on the MLP (default: the MLP's own)",
+    )
     g.add_argument("--slow", type=parse_slow, action="append", default=[], metavar="RANK:FACTOR", help="(repeatable)")
     g.add_argument("--slowdown", type=_parse_slowdown, metavar="p=PROB,F=FACTOR,P=STEPS", help="random slowdowns")
     g = p.add_argument_group("algorithm")
     g.add_argument("--collective", choices=list(ALLREDUCES), help="allreduce: (default hierarchical_ring)")
+    g.add_argument("--topology", choices=list(TOPOLOGIES), help="dpsgd: the graph (default ring)")
+    g.add_argument("--max-lead", type=_nonnegative_int, help="grsgd: steps ahead of the exchanges (default 2)")
     g.add_argument("--policy", choices=POLICIES, help="prague: the group generator's policy (default smart)")
     g.add_argument("--group-size", type=_positive_int, help="prague: (default 2)")
     g.add_argument("--local-steps", type=_positive_int, help="prague: steps between averagings (default 1)")
@@ -82,7 +112,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         ValueError: an option given for an algorithm that does not take it, or an
             unreadable ``--costmodel`` file.
     """
-    keywords = {"collective": "allreduce", "policy": "prague", "group_size": "prague", "local_steps": "prague"}
+    keywords = {
+        "collective": "allreduce",
+        "topology": "dpsgd",
+        "max_lead": "grsgd",
+        "policy": "prague",
+        "group_size": "prague",
+        "local_steps": "prague",
+    }
     options: dict[str, Any] = {}
     for key, algorithm in keywords.items():
         value = getattr(args, key)
@@ -116,6 +153,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         slow=dict(args.slow),
         slowdown=args.slowdown,
         rate=args.rate,
+        intra_rate=args.intra_rate,
+        cost_params=args.cost_params,
         params=params,
     )
 
@@ -130,6 +169,13 @@ def main(args: argparse.Namespace) -> int:
             f"paced {1e3 * config.step_time:g} ms per step",
             flush=True,
         )
+        if config.cost_params is not None:
+            print(
+                f"# communication charged for {config.cost_params:,} parameters "
+                f"({4 * config.cost_params / 1e6:.1f} MB per model), not the MLP's: "
+                "the times are that model's, the accuracies the MLP's",
+                flush=True,
+            )
         result = simulate(config, report=lambda text: print(text, flush=True))
     except (ValueError, data.DatasetError) as exc:
         print(f"mpidl simulate: error: {exc}")

@@ -9,10 +9,11 @@ a rate that the model gives it, until the last byte is delivered. Across
 nodes a flow uses s's node's up link and d's node's down link; inside a node
 it uses the node's fabric only.
 
-Sharing: whenever a flow starts or ends, the rates of all flows in flight are
-recomputed max-min fairly over the links (progressive filling: the link whose
-capacity divided by its unfrozen flows is least fixes those flows at that
-share; repeat with the capacity left), the fluid model of TCP's steady state
+Sharing: whenever flows start or end, the rates of all flows in flight are
+recomputed max-min fairly over the links (once for all the flows that start
+at the same instant; progressive filling: the link whose capacity divided by
+its unfrozen flows is least fixes those flows at that share; repeat with the
+capacity left), the fluid model of TCP's steady state
 that flow-level simulators use (e.g. SimGrid's LV08 without its TCP-window
 bound; Velho & Legrand, "Accuracy Study and Improvement of Network Simulation
 in the SimGrid Framework", SIMUTools 2009). So a lone flow takes
@@ -26,7 +27,8 @@ rate as given (``--rate``, as ``tc`` writes it); the latencies and the
 intra-node rate are the alpha-beta cost model's
 (:class:`collectives.tuning.costmodel.Params`: its built-in defaults, or a
 calibration file that ``mpidl bench --calibrate`` wrote, measured on the
-machine being modelled).
+machine being modelled); the intra-node rate may be given instead
+(``--intra-rate``).
 
 Cost: O(F + L) numpy work per flow start or end and per round of the
 progressive filling (a few rounds where links are alike), F flows in flight,
@@ -82,11 +84,12 @@ class Links:
             raise ValueError(f"link rates must be positive and latencies not negative: {self}")
 
     @classmethod
-    def calibrated(cls, rate: float, params: Params | None = None) -> Links:
+    def calibrated(cls, rate: float, params: Params | None = None, intra: float | None = None) -> Links:
         """NICs of ``rate`` bytes/s; latencies and the intra-node rate of the cost model's
-        ``params`` (default: its built-in defaults)."""
+        ``params`` (default: its built-in defaults), the latter ``intra`` bytes/s if given
+        (a GPU node's NVLink, say, where the cost model measured shared memory)."""
         p = Params() if params is None else params
-        return cls(rate, 1.0 / p.beta_intra, p.alpha_inter, p.alpha_intra)
+        return cls(rate, 1.0 / p.beta_intra if intra is None else intra, p.alpha_inter, p.alpha_intra)
 
 
 #: A flow is over when fewer bytes than this are left (rounding of rate x time).
@@ -120,6 +123,7 @@ class Network:
         self._left = np.zeros(0)
         self._rates = np.zeros(0)
         self._done: list[Callable[[], None]] = []
+        self._arriving: list[tuple[tuple[int, int], float, Callable[[], None]]] = []
         self._updated = 0.0
         self._version = 0
         self._alone: dict[Phase, float] = {}
@@ -158,10 +162,19 @@ class Network:
         if nbytes <= _EPSILON_BYTES:
             done()
             return
-        self._advance()
-        self._links = np.vstack((self._links, np.array(route, np.int64)[None]))
-        self._left = np.append(self._left, nbytes)
-        self._done.append(done)
+        if not self._arriving:  # the first flow to start now: share once all of now's have come
+            self._advance()
+            self._version += 1  # the end scheduled for the old rates is void
+            self.engine.at(self.engine.now, self._admit)
+        self._arriving.append((route, nbytes, done))
+
+    def _admit(self) -> None:
+        """Add the flows that started at this instant and share the links anew (one
+        sharing for all of them, however many started together)."""
+        arriving, self._arriving = self._arriving, []
+        self._links = np.vstack((self._links, np.array([route for route, _, _ in arriving], np.int64)))
+        self._left = np.concatenate((self._left, [nbytes for _, nbytes, _ in arriving]))
+        self._done += [done for _, _, done in arriving]
         self._reshare()
 
     def _advance(self) -> None:
@@ -176,7 +189,8 @@ class Network:
         self._rates = max_min_rates(self._capacity, self._links)
         self._version += 1
         if self._left.size:
-            self.engine.after(float(np.min(self._left / self._rates)), self._end, self._version)
+            # max: a flow that ended as others began has rounded to a few bytes below 0
+            self.engine.after(max(0.0, float(np.min(self._left / self._rates))), self._end, self._version)
 
     def _end(self, version: int) -> None:
         if version != self._version:  # the rates changed since: a later event stands for this one

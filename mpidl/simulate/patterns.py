@@ -8,6 +8,9 @@ all of them have ended. The phases are those of mpidl's kernels:
   reduce-scatter of k - 1 steps and an all-gather of k - 1 steps; in each,
   every member sends one m/k-byte chunk to the next. On one worker per node
   at rate B and latency alpha: 2(k-1)(alpha + m/(kB)).
+* :func:`binomial_reduce`, :func:`binomial_broadcast`
+  (:mod:`collectives.kernels.reduce_broadcast`): ceil(lg q) steps of m bytes
+  to or from the lowest member.
 * :func:`hierarchical_ring` (:mod:`collectives.kernels.hierarchical_ring`):
   a binomial reduce to each node's leader (its lowest worker) of ceil(lg q)
   steps of m bytes, a ring among the leaders, a binomial broadcast back.
@@ -48,20 +51,33 @@ def binomial_reduce(members: Sequence[int], nbytes: float) -> Pattern:
     return out
 
 
+def backwards(pattern: Pattern) -> Pattern:
+    """``pattern`` run backwards: its phases in reverse order, every flow reversed (a
+    broadcast from a reduce)."""
+    return [(tuple((dst, src, b) for src, dst, b in phase), repeat) for phase, repeat in reversed(pattern)]
+
+
+def binomial_broadcast(members: Sequence[int], nbytes: float) -> Pattern:
+    """Broadcast ``nbytes`` from ``members[0]`` by a binomial tree: the reduce backwards."""
+    return backwards(binomial_reduce(members, nbytes))
+
+
+def by_node(node_of: Sequence[int]) -> list[list[int]]:
+    """The workers of each node, ascending (``node_of``: each worker's node)."""
+    nodes: dict[int, list[int]] = {}
+    for w, k in enumerate(node_of):
+        nodes.setdefault(k, []).append(w)
+    return [nodes[k] for k in sorted(nodes)]
+
+
 def hierarchical_ring(node_of: Sequence[int], nbytes: float) -> Pattern:
     """The hierarchical ring all-reduce of ``nbytes`` over every worker (``node_of``: each
     worker's node): the nodes' reduces at once, the leaders' ring, the nodes' broadcasts."""
-    by_node: dict[int, list[int]] = {}
-    for w, k in enumerate(node_of):
-        by_node.setdefault(k, []).append(w)
-    nodes = [by_node[k] for k in sorted(by_node)]
+    nodes = by_node(node_of)
     reduce = [binomial_reduce(members, nbytes) for members in nodes]
     depth = max(len(r) for r in reduce)
-    merged = [tuple(f for r in reduce if s < len(r) for f in r[s][0]) for s in range(depth)]
-    out: Pattern = [(phase, 1) for phase in merged]
-    out += ring([members[0] for members in nodes], nbytes)
-    out += [(tuple((dst, src, b) for src, dst, b in phase), 1) for phase in reversed(merged)]
-    return out
+    merged: Pattern = [(tuple(f for r in reduce if s < len(r) for f in r[s][0]), 1) for s in range(depth)]
+    return merged + ring([members[0] for members in nodes], nbytes) + backwards(merged)
 
 
 #: The all-reduce patterns by the name of mpidl's kernel: (workers' nodes, bytes) -> pattern.
@@ -82,4 +98,14 @@ def sent_by(pattern: Pattern, node_of: Sequence[int]) -> tuple[np.ndarray, np.nd
     return sent, inter
 
 
-__all__ = ["ALLREDUCES", "Pattern", "binomial_reduce", "hierarchical_ring", "ring", "sent_by"]
+__all__ = [
+    "ALLREDUCES",
+    "Pattern",
+    "backwards",
+    "binomial_broadcast",
+    "binomial_reduce",
+    "by_node",
+    "hierarchical_ring",
+    "ring",
+    "sent_by",
+]

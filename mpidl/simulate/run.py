@@ -32,16 +32,22 @@ from ..slowdowns import RandomSlowdown
 from ..train import schedule_meta
 from .adpsgd import ADPSGD
 from .allreduce import AllReduceSGD
+from .dpsgd import DPSGD
 from .engine import Engine
+from .grsgd import GRSGD
+from .lsgd import LSGD
 from .network import Links, Network
 from .prague import Prague
 from .workers import Workers
 
-Schedule = Union[AllReduceSGD, ADPSGD, Prague]
+Schedule = Union[AllReduceSGD, DPSGD, LSGD, GRSGD, ADPSGD, Prague]
 
 #: The simulated algorithms, by ``mpidl train``'s names.
 SIMULATED: dict[str, Callable[..., Schedule]] = {
     "allreduce": AllReduceSGD,
+    "dpsgd": DPSGD,
+    "lsgd": LSGD,
+    "grsgd": GRSGD,
     "adpsgd": ADPSGD,
     "prague": Prague,
 }
@@ -69,6 +75,8 @@ class SimConfig:
     slow: dict[int, float] = field(default_factory=dict)
     slowdown: RandomSlowdown | None = None
     rate: float = 125e6  # bytes/s of every NIC (1 Gbit/s)
+    intra_rate: float | None = None  # bytes/s of a node's fabric (None: the cost model's)
+    cost_params: int | None = None  # parameters the network is charged for (None: the MLP's)
     params: Params | None = None  # the cost model's latencies and intra-node rate (None: its defaults)
 
 
@@ -118,8 +126,9 @@ def simulate(
         step_time=config.step_time,
         slow=config.slow,
         slowdown=config.slowdown,
+        cost_params=config.cost_params,
     )
-    links = Links.calibrated(config.rate, config.params)
+    links = Links.calibrated(config.rate, config.params, config.intra_rate)
     network = Network(Engine(), [w // config.ranks_per_node for w in range(n)], links)
     schedule = SIMULATED[config.algorithm](workers, network, **config.options)
     meta = _describe(config, dataset, workers, network, schedule)
@@ -188,7 +197,7 @@ def _describe(
         "model": workers.net.name,
         "model_spec": workers.net.spec,
         "parameters": workers.net.parameters,
-        "model_bytes": workers.nbytes,
+        "model_bytes": int(workers.params[0].nbytes),
         "backend": "numpy",
         "uneven_steps": schedule.uneven,
         **schedule_meta(config, workers.steps),
@@ -198,6 +207,8 @@ def _describe(
             "alpha_inter_s": links.alpha_inter,
             "alpha_intra_s": links.alpha_intra,
             "params_source": (config.params or Params()).source,
+            "charged_parameters": config.cost_params,
+            "charged_bytes": workers.nbytes,
             **({"allreduce_s": schedule.allreduce_s} if isinstance(schedule, AllReduceSGD) else {}),
         },
     }

@@ -19,6 +19,12 @@ Evaluation (:meth:`Workers.evaluate`), as :mod:`mpidl.metrics` measures: the
 averaged model's test loss and accuracy, and the consensus distance (1/n)
 sum_i ||x_i - x_bar||^2 / ||x_bar||^2.
 
+Message sizes (:attr:`Workers.nbytes`): the MLP's parameter bytes, or, with
+``cost_params``, those of a model of that many parameters: the network is
+then charged for that model (a GPU model's gradients, with ``--step-time``
+its step) while the numerics run on the MLP, so the times answer for the
+large model and the accuracies for the MLP only.
+
 Memory: 5 x n x P x 4 bytes (parameters, and each SGD's gradient, momentum
 and two work arrays): 1 GiB for 1024 workers of the MLP 784-64-10.
 """
@@ -47,6 +53,9 @@ class Workers:
         step_time: the paced computation time C of a step, in seconds.
         slow: fixed slowdown factors by worker (``--slow``).
         slowdown: random transient slowdowns (``--slowdown``), or None.
+        cost_params: the parameter count that communication is charged for
+            (``--cost-params``: a larger model's, e.g. ResNet-50's 25.6M), or None
+            for the MLP's own; the numerics stay the MLP's either way.
 
     Attributes:
         net: the model (its forward and backward pass serve every worker).
@@ -71,19 +80,23 @@ class Workers:
         step_time: float,
         slow: dict[int, float] | None = None,
         slowdown: RandomSlowdown | None = None,
+        cost_params: int | None = None,
     ) -> None:
         if n < 1 or step_time <= 0:
             raise ValueError(f"need at least one worker and a positive step time, got {n} and {step_time}")
+        if cost_params is not None and cost_params < 1:
+            raise ValueError(f"cost_params must be a positive parameter count, got {cost_params}")
         bad = sorted(w for w in (slow or {}) if not 0 <= w < n)
         if bad:
             raise ValueError(f"--slow names worker(s) {bad}, but there are only {n} workers")
         self.n, self.dataset, self.seed, self.step_time = n, dataset, seed, step_time
         self.net = NumpyMLP((dataset.features, *hidden, dataset.classes), seed)
         self.params = np.tile(self.net.params, (n, 1))
+        self.cost_params = cost_params
         self.optimizers = [optim.SGD(self.params[i], lr=lr, momentum=momentum) for i in range(n)]
         samples = len(dataset.y_train)
         self.steps = data.steps_per_epoch(samples, n, batch_size)
-        self.shards = [data.shard(samples, i, n, seed) for i in range(n)]
+        self.shards = data.shards(samples, n, seed)
         self.slowdowns = [Slowdowns(i, dict(slow or {}), slowdown, seed) for i in range(n)]
         self.iterations = np.zeros(n, np.int64)
         self.waited = np.zeros(n)
@@ -92,8 +105,11 @@ class Workers:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one worker's parameters (what an averaging moves)."""
-        return int(self.params[0].nbytes)
+        """Bytes that one worker's model is charged as on the network (what an averaging or
+        an all-reduce moves): its own parameters', or ``cost_params`` of their dtype."""
+        if self.cost_params is None:
+            return int(self.params[0].nbytes)
+        return self.cost_params * self.params.dtype.itemsize
 
     def begin_epoch(self, epoch: int, uneven: bool) -> None:
         """Start ``epoch``'s batches: ``steps`` each, or (``uneven``) as many as a worker asks."""
@@ -118,9 +134,11 @@ class Workers:
             self.params[i], ds.x_train[batch], ds.y_train[batch], self.optimizers[i].grad
         )
 
-    def update(self, i: int) -> None:
-        """Worker ``i``'s optimizer step with its gradient; one step more."""
-        self.optimizers[i].step()
+    def update(self, i: int, apply: bool = True) -> None:
+        """Worker ``i``'s optimizer step with its gradient (none if not ``apply``: a step
+        that has no gradient to apply yet); one step more."""
+        if apply:
+            self.optimizers[i].step()
         self.iterations[i] += 1
         self.taken += 1
 
@@ -135,11 +153,9 @@ class Workers:
         center = self.params.mean(axis=0, dtype=np.float64).astype(self.params.dtype)
         ds = self.dataset
         loss, correct = self.net.evaluate(center, ds.x_test, ds.y_test)
-        spread = 0.0
-        norm = 1.0
-        for row in self.params:
-            distance, norm = self.net.squared_norms(row, center)
-            spread += distance
+        c = center.astype(np.float64)
+        norm = float(np.dot(c, c))
+        spread = sum(float(np.sum((block - c) ** 2)) for block in np.array_split(self.params, -(-self.n // 64)))
         consensus = spread / self.n / norm if norm else 0.0
         return loss / len(ds.y_test), correct / len(ds.y_test), consensus
 
