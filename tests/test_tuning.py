@@ -14,9 +14,9 @@ from mpitest import all_ok
 
 import collectives
 from collectives.transport import p2p
-from mpidl import bench
 from collectives.tuning import cache, online, selector, sweep
 from collectives.tuning.table import GRID, Table, band, needed
+from mpidl import bench
 
 KIB = 1 << 10
 
