@@ -16,6 +16,7 @@ from pathlib import Path
 import mpitest
 import numpy as np
 import pytest
+from mpi4py import MPI
 from mpitest import mpiexec, on_rank0_quietly
 
 from collectives.transport import faults
@@ -304,6 +305,19 @@ def test_training_killed_mid_run_resumes(config: str, tmp_path_factory: pytest.T
 ULFM_OPTIONS = ["--with-ft", "ulfm", *faults.LAUNCH_OPTIONS, "--oversubscribe"] + (
     ["--allow-run-as-root"] if os.geteuid() == 0 else []
 )
+
+
+def ulfm_job(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``failure.py ARGV`` on 4 ranks under Open MPI with ULFM (:data:`ULFM_OPTIONS`; on the
+    caller's rank, within 60 s); a job that runs longer fails the test with what its ranks
+    wrote (the script dumps their threads' stacks after 40 s)."""
+    try:
+        return mpiexec(4, ["tests/scripts/failure.py", *argv], timeout=60, env=env, options=ULFM_OPTIONS)
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        pytest.fail(f"failure.py {' '.join(argv)} did not end within 60 s:\n{err[-6000:]}")
+
+
 #: What the survivors print: the largest difference of their sum, the world ranks lost, their number.
 SURVIVORS = re.compile(r"^failure\.py: survivors (\S+) ([\d,]+) (\d+)$", re.M)
 
@@ -321,7 +335,7 @@ def test_adpsgd_survives_a_dead_worker(role: str, victim: int, tmp_path: Path) -
     def go() -> tuple[subprocess.CompletedProcess, float]:
         # Open MPI may drop what a killed rank wrote last: the kill's time is its model file's.
         env = {"FAILURE_DIR": str(tmp_path)}
-        proc = mpiexec(4, ["tests/scripts/failure.py", "survive", role], timeout=60, env=env, options=ULFM_OPTIONS)
+        proc = ulfm_job(["survive", role], env)
         return proc, time.time() - (tmp_path / "dead.npy").stat().st_mtime
 
     proc, after = on_rank0_quietly(go)
@@ -353,9 +367,7 @@ def test_adpsgd_survives_deaths_at_any_point_of_an_averaging(seed: int, tmp_path
     why = faults.unsupported()
     if why is not None:
         pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
-    env = {"FAILURE_DIR": str(tmp_path)}
-    argv = ["tests/scripts/failure.py", "trials", str(seed)]
-    proc = on_rank0_quietly(mpiexec, 4, argv, timeout=60, env=env, options=ULFM_OPTIONS)
+    proc = on_rank0_quietly(ulfm_job, ["trials", str(seed)], {"FAILURE_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     trials = TRIAL.findall(proc.stdout)
     assert [(int(s), int(t)) for s, t, *_ in trials] == [(seed, 0), (seed, 1)], proc.stdout[-3000:]
@@ -375,9 +387,7 @@ def test_train_survives_a_dead_worker(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     argv = ["--algorithm", "adpsgd", "--on-failure", "continue", "--backend", "numpy", "--hidden", "16"]
     argv += ["--epochs", "3", "--no-progress", "--json", str(out)]
-    env = {"FAILURE_DIE": "1:10"}
-    args = ["tests/scripts/failure.py", "train", *argv]
-    proc = on_rank0_quietly(mpiexec, 4, args, timeout=60, env=env, options=ULFM_OPTIONS)
+    proc = on_rank0_quietly(ulfm_job, ["train", *argv], {"FAILURE_DIE": "1:10"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = on_rank0_quietly(lambda: json.loads(out.read_text()))
     [failure] = run["failures"]
@@ -393,6 +403,21 @@ def test_train_survives_a_dead_worker(tmp_path: Path) -> None:
     assert epochs[-1]["test_acc"] >= 0.75, epochs
     assert proc.stdout.count("final: test accuracy") == 1, proc.stdout[-3000:]
     assert f"# epoch {failure['epoch']}: worker(s) 1 of MPI_COMM_WORLD died; 3 continue" in proc.stdout
+
+
+def test_ulfm_finalize_hazard_is_named_until_the_launcher_skips_the_fence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Open MPI with ULFM on, the hazard of MPI_Finalize's closing fence (which AD-PSGD
+    with on_failure="continue" warns of) names the launcher option, until the launcher gave
+    it; elsewhere there is none."""
+    monkeypatch.setenv(faults.FT_ENABLE, "1")
+    monkeypatch.delenv(faults.ASYNC_FINALIZE, raising=False)
+    hazard = faults.finalize_hazard()
+    if faults.unsupported() is not None or not MPI.Get_library_version().startswith("Open MPI"):
+        assert hazard is None
+        return
+    assert hazard is not None and f"mpiexec --with-ft ulfm {' '.join(faults.LAUNCH_OPTIONS)}" in hazard
+    monkeypatch.setenv(faults.ASYNC_FINALIZE, "1")
+    assert faults.finalize_hazard() is None
 
 
 def test_without_ulfm_a_dead_worker_still_ends_the_job(tmp_path: Path) -> None:

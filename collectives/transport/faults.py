@@ -30,8 +30,8 @@ The end of the job: Open MPI's ``MPI_Finalize`` (5.0) first drains the failures
 among the survivors (a shrink and a barrier of ``MPI_COMM_WORLD``), then waits
 in a fence of the runtime (PMIx) over all of the job's processes, the dead
 included, which the runtime sometimes never completes after
-``MPI_COMM_WORLD`` rank 0 died (3 of 16 runs of 4 ranks on a busy 2-core machine;
-none of 17 that killed rank 1; none of 30 that killed rank 0 with the fence
+``MPI_COMM_WORLD`` rank 0 died (6 of 41 runs of 4 ranks on a busy 2-core machine;
+none of 17 that killed rank 1; none of 55 that killed rank 0 with the fence
 skipped). The launcher
 option ``--mca async_mpi_finalize 1`` (:data:`LAUNCH_OPTIONS`) skips that fence;
 the survivors are still synchronised by the shrink and barrier before it.

@@ -85,6 +85,8 @@ if mode == "train":
     train_step = train._Run._train_step
 
     victim, _, die_step = os.environ.get("FAILURE_DIE", "-1:-1").partition(":")
+    if int(victim) >= 0:
+        faulthandler.dump_traceback_later(40)  # a hang of the survivors shows where each thread waits
 
     def train_step_or_raise(run: train._Run, batch: object) -> object:
         if run.step == raise_step and rank == 0:
