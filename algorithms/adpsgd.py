@@ -221,6 +221,9 @@ class ADPSGD(Algorithm):
                     f"AD-PSGD on_failure='continue': ULFM is not available ({why}); "
                     "a worker that dies ends the job (the fail-fast abort stays)"
                 )
+            hazard = faults.finalize_hazard()
+            if hazard is not None and self.rank == 0:
+                faults.warn(f"AD-PSGD on_failure='continue': {hazard}")
         self.topology, self.active, self.peers = topo, sides[self.rank] == 0, topo.neighbors(self.rank)
         return (topo.name, crc32(topo.W.tobytes()), self.seed, self.partner, self.cross_every, self.on_failure)
 

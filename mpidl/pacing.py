@@ -21,16 +21,26 @@ total reaches e x n x S). The thread polls for
 messages with short sleeps (:class:`collectives.transport.p2p.Backoff`), leaving the
 cores to the workers. It needs ``MPI_THREAD_MULTIPLE`` (refused below it), and an
 exception in it ends the job (:mod:`collectives.transport.threads`).
+
+Where the training survives a dead worker (``survives``: an algorithm with
+``on_failure="continue"`` under ULFM, :mod:`collectives.transport.faults`), the
+budget's messages to or from the dead fail without ending the job: the budget
+stops counting (:attr:`StepBudget.failed`; :meth:`~StepBudget.over` says False
+until the algorithm has recovered), and the survivors :meth:`~StepBudget.abandon`
+it for a new one on their communicator, whose first epoch starts from the steps
+they took in it so far (``counted``): the dead worker's steps no longer count.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 from mpi4py import MPI
 
-from collectives.transport import p2p, threads
+from collectives.transport import faults, p2p, threads
 
 _STEP, _CLOSE = 1, 2
 _TO_COUNTER, _EPOCH_OVER = 0x7301, 0x7302
@@ -41,39 +51,52 @@ class StepBudget:
 
     Construction and :meth:`close` are collective. Each worker calls
     :meth:`begin_epoch`, then :meth:`step` after each of its steps until
-    :meth:`over` says the epoch's budget is spent.
+    :meth:`over` says the epoch's budget is spent. ``counted``: steps already
+    taken in the first epoch (the same on every worker). ``survives``: a dead
+    worker does not end the job (module docstring).
+
+    Attributes:
+        comm: the communicator of the workers counted.
+        failed: a worker died (``survives`` only): the budget no longer counts.
 
     Raises:
         collectives.ArgumentError: MPI does not provide ``MPI_THREAD_MULTIPLE``.
     """
 
-    def __init__(self, comm: MPI.Comm, per_epoch: int) -> None:
+    def __init__(self, comm: MPI.Comm, per_epoch: int, counted: int = 0, survives: bool = False) -> None:
         if per_epoch < 1:
             raise ValueError(f"an epoch needs at least one step, got {per_epoch}")
         threads.require_multiple("the step budget counts the workers' steps on a service thread")
-        self.per_epoch = per_epoch
-        self._comm = comm.Dup()
+        self.comm, self.per_epoch, self.survives, self.failed = comm, per_epoch, survives, False
+        self._counted = counted
+        self._comm = faults.returning(comm.Dup()) if survives else comm.Dup()
         self._msg = np.array([_STEP, 0], np.int64)
         self._word = np.zeros(1, np.int64)
         self._over: MPI.Request | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = False
         if self._comm.Get_rank() == 0:
             self._thread = threads.start(self._count, "mpidl-step-budget")
 
     def begin_epoch(self) -> None:
         """Start listening for the end of the next epoch."""
-        self._over = self._comm.Irecv(self._word, 0, _EPOCH_OVER)
+        with self._tolerating():
+            self._over = self._comm.Irecv(self._word, 0, _EPOCH_OVER)
 
     def step(self) -> None:
         """Report one step of this worker (polled where this thread's waits poll:
         :func:`collectives.transport.p2p.poll_waits`)."""
         self._msg[0] = _STEP
-        p2p.complete(self._comm.Isend(self._msg, 0, _TO_COUNTER))
+        with self._tolerating():
+            p2p.complete(self._comm.Isend(self._msg, 0, _TO_COUNTER))
 
     def over(self) -> bool:
-        """Whether the current epoch's budget is spent (its end was announced)."""
+        """Whether the current epoch's budget is spent (its end was announced); False
+        once the budget :attr:`failed`."""
         assert self._over is not None, "over() before begin_epoch()"
-        return bool(self._over.Test())
+        with self._tolerating():
+            return not self.failed and bool(self._over.Test())
+        return False
 
     def close(self) -> None:
         """Stop counting (collective; after the last epoch is over on every worker)."""
@@ -85,13 +108,46 @@ class StepBudget:
                 self._thread.join()
         self._comm.Free()
 
+    def abandon(self) -> None:
+        """Stop counting after a worker died (local; ``survives`` only): revoke the
+        budget's communicator, so that nothing on it waits for the dead, end the
+        counting thread, complete the pending receive, free the communicator."""
+        assert self.survives, "abandon() of a budget that does not survive a failure"
+        self.failed = self._stopping = True
+        faults.revoke(self._comm)
+        if self._thread is not None:
+            self._thread.join()
+        faults.drain([self._over] if self._over is not None else [])
+        self._comm.Free()
+
+    @contextmanager
+    def _tolerating(self) -> Iterator[None]:
+        """Where the budget survives a failure: a block whose MPI error of a dead peer
+        marks the budget :attr:`failed` instead of ending the job."""
+        try:
+            yield
+        except MPI.Exception as exc:
+            if not (self.survives and faults.is_failure(exc)):
+                raise
+            self.failed = True
+
     def _count(self) -> None:
-        """Rank 0's thread: add up the steps, announce each epoch's end, stop when all closed."""
+        """Rank 0's thread: add up the steps, announce each epoch's end, stop when all
+        closed, or quietly where a worker died (``survives``)."""
+        with self._tolerating():
+            self._count_steps()
+
+    def _count_steps(self) -> None:
         comm, n = self._comm, self._comm.Get_size()
         msg, status, backoff = np.zeros(2, np.int64), MPI.Status(), p2p.Backoff()
-        total, epoch, closed = 0, 1, 0
+        total, epoch, closed = self._counted, 1, 0
         sends: list[tuple[MPI.Request, np.ndarray]] = []
-        while closed < n:
+        while closed < n and not self._stopping:
+            if total >= epoch * self.per_epoch:
+                word = np.array([epoch], np.int64)
+                sends += [(comm.Isend(word, w, _EPOCH_OVER), word) for w in range(n)]
+                epoch += 1
+            sends = [s for s in sends if not s[0].Test()]
             if not comm.Iprobe(MPI.ANY_SOURCE, _TO_COUNTER, status):
                 backoff.sleep()
                 continue
@@ -99,11 +155,7 @@ class StepBudget:
             comm.Recv(msg, status.Get_source(), _TO_COUNTER)
             if msg[0] == _CLOSE:
                 closed += 1
-                continue
-            total += 1
-            if total >= epoch * self.per_epoch:
-                word = np.array([epoch], np.int64)
-                sends += [(comm.Isend(word, w, _EPOCH_OVER), word) for w in range(n)]
-                epoch += 1
-            sends = [s for s in sends if not s[0].Test()]
-        MPI.Request.Waitall([r for r, _ in sends])
+            else:
+                total += 1
+        if not self._stopping:
+            MPI.Request.Waitall([r for r, _ in sends])

@@ -65,6 +65,18 @@ Failures: an exception on one rank (other than the errors every rank raises
 alike, :data:`AGREED_ERRORS`) leaves :func:`train` at once, without closing
 the algorithm (a collective the other ranks are not in): ``mpidl.init()``'s
 hook prints it first and ends the job (``docs/failures.rst``).
+
+A worker that dies (``--on-failure continue``, for the algorithms that take
+``on_failure``: AD-PSGD; where the MPI library has ULFM) does not end the job
+when it dies while the workers train: the algorithm's survivors recover
+(:mod:`collectives.transport.faults`), settle, and deal the training set anew
+among themselves (each its shard of the survivors' :func:`mpidl.data.shard`,
+so the dead worker's samples are trained on); the epoch's step budget is
+then the survivors' (n' x the steps of an n'-worker epoch), counting the
+steps they took in it so far and not the dead worker's. Rank 0 of the
+survivors prints a line, reports the epochs and writes the outputs; the
+JSON's ``failures`` says in which epoch which workers died. A death during
+the evaluation or a checkpoint still ends the job.
 """
 
 from __future__ import annotations
@@ -85,6 +97,7 @@ from mpi4py import MPI
 import algorithms
 import collectives
 from algorithms import events
+from algorithms.adpsgd import ON_FAILURE
 from algorithms.topology import TOPOLOGIES, WEIGHTS, Topology
 from collectives.transport import p2p
 
@@ -283,19 +296,26 @@ class TrainConfig:
     checkpoint: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    on_failure: str = "abort"
 
 
 @dataclass
 class TrainResult:
     """A finished run: its description, the per-epoch records, this worker's final
     parameters, every worker's step times and CPU use (:func:`mpidl.stragglers.report`),
-    and on rank 0 the timeline recorded (:func:`mpidl.timeline.stop`), if one was."""
+    and on rank 0 the timeline recorded (:func:`mpidl.timeline.stop`), if one was;
+    the workers that died (``--on-failure continue``: ``{"epoch", "lost", "workers",
+    "samples_per_worker"}`` each: the epoch, their ``MPI_COMM_WORLD`` ranks, the
+    survivors' number and shard sizes); ``reporter``: whether this worker is rank 0
+    of those that finished (it writes the outputs)."""
 
     meta: dict[str, Any]
     epochs: list[dict[str, Any]]
     params: np.ndarray
     workers: dict[str, Any] = field(default_factory=dict)
     timeline: dict[str, Any] | None = None
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    reporter: bool = False
 
 
 def parse_slow(text: str) -> tuple[int, float]:
@@ -333,6 +353,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=[*algorithms.ALGORITHMS, *peers.PEERS],
         help=f"training algorithm, or a peer in the same harness (ddp: PyTorch DDP over gloo; horovod: "
         f"Horovod's DistributedOptimizer over MPI, where installed; default {defaults.algorithm})",
+    )
+    g.add_argument(
+        "--on-failure",
+        default=defaults.on_failure,
+        choices=ON_FAILURE,
+        help="what a worker's death does: abort ends the job; continue lets the survivors train on, with "
+        f"the dead worker's data dealt among them (for {', '.join(_surviving())}, where the MPI library has "
+        f"ULFM: docs/failures.rst; default {defaults.on_failure})",
     )
     for opt in ALGORITHM_OPTIONS:
         how: dict[str, Any] = (
@@ -465,6 +493,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _surviving() -> list[str]:
+    """Names of the algorithms that can survive a dead worker (they take ``on_failure``)."""
+    return [name for name, cls in algorithms.ALGORITHMS.items() if "on_failure" in inspect.signature(cls).parameters]
+
+
 def algorithm_options(args: argparse.Namespace) -> dict[str, Any]:
     """The constructor keywords of ``args.algorithm`` from the algorithm options given.
 
@@ -518,6 +551,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint=args.checkpoint,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        on_failure=args.on_failure,
     )
 
 
@@ -596,6 +630,13 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
         raise UsageError(f"--slow names rank(s) {bad}, but there are only {comm.Get_size()} ranks")
     if config.resume and not config.checkpoint:
         raise UsageError("--resume needs --checkpoint DIR, the folder to resume from")
+    if config.on_failure == "continue" and config.algorithm not in _surviving():
+        raise UsageError(
+            f"--on-failure continue: --algorithm {config.algorithm} cannot go on without a dead worker "
+            f"(only {', '.join(_surviving())} can); use --on-failure abort, the default"
+        )
+    if config.on_failure == "continue" and config.timeline:
+        raise UsageError("--timeline gathers every worker's record at the end: not with --on-failure continue")
     dataset = data.load(config.dataset, config.data_dir, comm).subset(config.train_samples, config.test_samples)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
@@ -607,14 +648,18 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
     cls = peers.PEERS.get(config.algorithm) or algorithms.ALGORITHMS[config.algorithm]
     if "seed" in inspect.signature(cls).parameters:
         options["seed"] = config.seed  # the algorithm's own random choices (neighbors, groups)
+    if config.on_failure != "abort":
+        options["on_failure"] = config.on_failure
     algo = cls(net.model, net.optimizer, comm, **options)
     if isinstance(algo, peers.DDP):
         assert isinstance(net, TorchModel), "DDP refuses other models"
         net.forward_module = algo.forward_module  # the forward pass goes through the DDP wrapper
     if isinstance(algo, peers.Horovod):
         net.optimizer = algo.optimizer  # Horovod's optimizer keeps the momentum (checkpoints)
-    budget = pacing.StepBudget(comm, comm.Get_size() * steps) if algo.uneven_steps else None
+    survives = bool(getattr(algo, "survives", False))
+    budget = pacing.StepBudget(comm, comm.Get_size() * steps, survives=survives) if algo.uneven_steps else None
     polled = config.step_time is not None if config.polled_waits is None else config.polled_waits
+    run: _Run | None = None
     try:
         run = _Run(config, dataset, net, algo, steps, threads, budget, polled)
         if config.resume:
@@ -630,16 +675,17 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
         finally:
             timeline.abandon()  # where an exception left before stop(): this rank's recording is dropped
             p2p.poll_waits(blocking)
-        workers = stragglers.report(run.times, run.cpu, comm)
+        workers = stragglers.report(run.times, run.cpu, algo.comm)
         params = net.to_numpy(algo.params)
     except AGREED_ERRORS:  # every rank is here: they close together
-        _close(algo, budget)
+        _close(algo, budget if run is None else run.budget)
         raise
     # Any other exception is this rank's alone and leaves at once, unclosed: closing is
     # collective, and would wait for the other ranks (or fail first with an error of its
     # own) before the exception is printed; mpidl.init()'s hook prints it and ends the job.
-    _close(algo, budget)
-    if comm.Get_rank() == 0 and run.records:
+    _close(algo, run.budget)
+    reporter = algo.comm.Get_rank() == 0  # after close(), which may have recovered from a failure
+    if reporter and run.records:
         last = run.records[-1]
         print(
             f"final: test accuracy {100 * last['test_acc']:.2f}% (averaged model), "
@@ -650,14 +696,17 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
             flush=True,
         )
         print(stragglers.table(workers), flush=True)
-    return TrainResult(run.meta, run.records, params, workers, trace)
+    return TrainResult(run.meta, run.records, params, workers, trace, run.failures, reporter)
 
 
 def _close(algo: algorithms.Algorithm, budget: pacing.StepBudget | None) -> None:
-    """Close the algorithm and the step budget (collective)."""
+    """Close the algorithm and the step budget (collective; the budget is abandoned where
+    the algorithm's workers are no longer its own: a worker died)."""
     algo.close()
-    if budget is not None:
+    if budget is not None and budget.comm is algo.comm:
         budget.close()
+    elif budget is not None:
+        budget.abandon()
 
 
 class _Run:
@@ -668,10 +717,14 @@ class _Run:
     Prague with random or smart groups) it is ``budget``'s instead: n x
     ``steps`` steps of all workers together, each worker stepping at its own
     speed (:mod:`mpidl.pacing`). Either way the algorithm settles before the
-    evaluation.
+    evaluation. Where a worker died, the survivors' budget and shards take
+    over (module docstring).
 
     Attributes:
         step: steps taken (all epochs).
+        budget: the step budget (uneven steps), the survivors' after a failure.
+        sweep: batches per pass over this worker's shard.
+        failures: the workers that died (:class:`TrainResult`).
         time_s: training time of the finished epochs.
         epoch_s, loss_sum: training time and sum of minibatch losses of the
             current epoch so far (0 between epochs).
@@ -696,7 +749,9 @@ class _Run:
         self.updated_s = 0.0  # what the last step() took besides communicating (the update)
         self.times = stragglers.StepTimes()
         self.cpu = stragglers.CpuMeter()
-        self.indices = data.shard(len(dataset.y_train), algo.rank, algo.size, config.seed)
+        self.samples, self.sweep = len(dataset.y_train), steps
+        self.indices = data.shard(self.samples, algo.rank, algo.size, config.seed)
+        self.failures: list[dict[str, Any]] = []
         self.x_train, self.y_train = net.array(dataset.x_train), net.array(dataset.y_train)
         self.x_test, self.y_test = net.array(dataset.x_test), net.array(dataset.y_test)
         self.step, self.time_s, self.epoch_s, self.loss_sum = 0, 0.0, 0.0, 0.0
@@ -790,18 +845,55 @@ class _Run:
         return loss_sum, self.steps, t0
 
     def _budgeted_steps(self, epoch: int) -> tuple[Any, int]:
-        """Steps until the epoch's budget is spent; (loss sum, steps taken by this worker)."""
-        stream = data.batch_stream(self.indices, self.steps, self.config.seed, epoch, self.algo.rank)
-        budget = self.budget
-        assert budget is not None  # the loop of an uneven-steps algorithm
+        """Steps until the epoch's budget is spent; (loss sum, steps taken by this worker).
+        Where a worker dies, the survivors leave the loop, settle (recovering, each in its
+        step or its settle) and spend the rest of the epoch with their own budget and
+        shards (:meth:`_regroup`)."""
         loss_sum: Any = 0.0
         taken = 0
-        budget.begin_epoch()
-        while not budget.over():
-            loss_sum = loss_sum + self._train_step(self.net.array(next(stream)))
-            budget.step()
-            taken += 1
-        return loss_sum, taken
+        while True:
+            if self._stale():
+                self._regroup(epoch, taken)
+            budget = self.budget
+            assert budget is not None  # the loop of an uneven-steps algorithm
+            stream = data.batch_stream(self.indices, self.sweep, self.config.seed, epoch, self.algo.rank)
+            budget.begin_epoch()
+            while not budget.over() and not self._stale():
+                loss_sum = loss_sum + self._train_step(self.net.array(next(stream)))
+                budget.step()
+                taken += 1
+            if not budget.survives:
+                return loss_sum, taken
+            with events.span("settle", events.COMMUNICATION, epoch=epoch):
+                self.algo.settle()  # every survivor is here, or recovering in its last step: they agree
+            if not self._stale():
+                return loss_sum, taken
+
+    def _stale(self) -> bool:
+        """Whether the algorithm has recovered from a worker's death since the budget was made."""
+        return self.budget is not None and self.budget.comm is not self.algo.comm
+
+    def _regroup(self, epoch: int, taken: int) -> None:
+        """After a worker died (collective over the survivors, settled): abandon the step
+        budget, deal the training set among the survivors, and make their budget, which
+        counts the ``taken`` steps of each in ``epoch`` (module docstring)."""
+        algo, old = self.algo, self.budget
+        assert old is not None  # uneven steps
+        old.abandon()
+        lost = [r for r in getattr(algo, "lost", []) if all(r not in f["lost"] for f in self.failures)]
+        self.sweep = data.steps_per_epoch(self.samples, algo.size, self.config.batch_size)
+        self.indices = data.shard(self.samples, algo.rank, algo.size, self.config.seed)
+        with p2p.waiting(algo.comm):
+            counted, shards = algo.comm.allreduce(taken), algo.comm.allgather(len(self.indices))
+        self.budget = pacing.StepBudget(algo.comm, algo.size * self.sweep, counted, survives=True)
+        self.failures.append({"epoch": epoch, "lost": lost, "workers": algo.size, "samples_per_worker": shards})
+        if algo.rank == 0:
+            print(
+                f"# epoch {epoch}: worker(s) {', '.join(map(str, lost))} of MPI_COMM_WORLD died; {algo.size} "
+                f"continue, the {self.samples} training samples dealt among them ({min(shards)}-{max(shards)} "
+                f"each), the epoch's {counted} steps so far counted towards {algo.size} x {self.sweep}",
+                flush=True,
+            )
 
     def _train_step(self, batch: Any) -> Any:
         """One step on ``batch``: the gradient, the paced or slowed wait (:mod:`mpidl.stepclock`),
@@ -966,6 +1058,7 @@ def _describe(
         "uneven_steps": algo.uneven_steps,
         **schedule_meta(config, steps),
         "polled_waits": polled,
+        "on_failure": config.on_failure,
         "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
     }
     topo = getattr(algo, "topology", None)
@@ -1020,9 +1113,10 @@ def _header(meta: dict[str, Any]) -> str:
 
 
 def write_json(result: TrainResult, path: str) -> None:
-    """Write ``{"meta": ..., "epochs": [...], "workers": ...}`` to ``path``."""
+    """Write ``{"meta": ..., "epochs": [...], "workers": ..., "failures": [...]}`` to ``path``."""
     with open(path, "w") as f:
-        json.dump({"meta": result.meta, "epochs": result.epochs, "workers": result.workers}, f, indent=1)
+        out = {"meta": result.meta, "epochs": result.epochs, "workers": result.workers, "failures": result.failures}
+        json.dump(out, f, indent=1)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -1040,7 +1134,7 @@ def main(args: argparse.Namespace) -> int:
         if comm.Get_rank() == 0:
             print(f"mpidl train: error: {exc}", file=sys.stderr)
         return USAGE_EXIT_CODE
-    if comm.Get_rank() == 0:
+    if result.reporter:
         if args.json:
             write_json(result, args.json)
         if args.plot:

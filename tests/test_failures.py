@@ -16,9 +16,11 @@ from pathlib import Path
 import mpitest
 import numpy as np
 import pytest
+from mpi4py import MPI
 from mpitest import mpiexec, on_rank0_quietly
 
 from collectives.transport import faults
+from mpidl import data
 from mpidl.runtime import FAILED_EXIT_CODE, STALL_EXIT_CODE, USAGE_EXIT_CODE
 
 pytestmark = pytest.mark.mpi
@@ -108,6 +110,10 @@ def test_exception_on_one_rank_ends_the_job() -> None:
     [
         (["train", "--resume"], "mpidl train: error: --resume needs --checkpoint DIR"),
         (["train", "--epochs", "0"], "argument --epochs: expected a positive int, got '0'"),
+        (
+            ["train", "--algorithm", "allreduce", "--on-failure", "continue"],
+            "--on-failure continue: --algorithm allreduce cannot go on without a dead worker (only adpsgd can)",
+        ),
     ],
 )
 def test_a_usage_error_has_its_own_exit_code(argv: list[str], message: str) -> None:
@@ -293,8 +299,26 @@ def test_training_killed_mid_run_resumes(config: str, tmp_path_factory: pytest.T
     assert epochs[-1]["test_acc"] >= 0.75, epochs
 
 
-#: Open MPI's mpiexec with ULFM on, 4 ranks on fewer cores, and (as root, as CI runs) allowed to run.
-ULFM_OPTIONS = ["--with-ft", "ulfm", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+#: Open MPI's mpiexec with ULFM on, without the closing runtime fence of MPI_Finalize (where the
+#: survivors may wait for the dead forever: docs/failures.rst), 4 ranks on fewer cores, and (as
+#: root, as CI runs) allowed to run.
+ULFM_OPTIONS = ["--with-ft", "ulfm", *faults.LAUNCH_OPTIONS, "--oversubscribe"] + (
+    ["--allow-run-as-root"] if os.geteuid() == 0 else []
+)
+
+
+def ulfm_job(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``failure.py ARGV`` on 4 ranks under Open MPI with ULFM (:data:`ULFM_OPTIONS`; on the
+    caller's rank), ended after 60 s: then with exit status 124 and what its ranks wrote (the
+    script dumps their threads' stacks after 40 s)."""
+    args = ["tests/scripts/failure.py", *argv]
+    try:
+        return mpiexec(4, args, timeout=60, env=env, options=ULFM_OPTIONS)
+    except subprocess.TimeoutExpired as exc:
+        out, err = (o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (exc.stdout, exc.stderr))
+        return subprocess.CompletedProcess(args, 124, out, f"{err}\nended after 60 s")
+
+
 #: What the survivors print: the largest difference of their sum, the world ranks lost, their number.
 SURVIVORS = re.compile(r"^failure\.py: survivors (\S+) ([\d,]+) (\d+)$", re.M)
 
@@ -312,7 +336,7 @@ def test_adpsgd_survives_a_dead_worker(role: str, victim: int, tmp_path: Path) -
     def go() -> tuple[subprocess.CompletedProcess, float]:
         # Open MPI may drop what a killed rank wrote last: the kill's time is its model file's.
         env = {"FAILURE_DIR": str(tmp_path)}
-        proc = mpiexec(4, ["tests/scripts/failure.py", "survive", role], timeout=60, env=env, options=ULFM_OPTIONS)
+        proc = ulfm_job(["survive", role], env)
         return proc, time.time() - (tmp_path / "dead.npy").stat().st_mtime
 
     proc, after = on_rank0_quietly(go)
@@ -326,6 +350,75 @@ def test_adpsgd_survives_a_dead_worker(role: str, victim: int, tmp_path: Path) -
     assert f"AD-PSGD: worker(s) {victim} of MPI_COMM_WORLD failed; 3 continue over the graph bipartite(3)" in (
         proc.stderr
     ), proc.stderr[-3000:]
+
+
+#: What the survivors print after each death of ``failure.py trials``: seed and trial, the
+#: kill point, the world rank lost, the largest difference of their sum.
+TRIAL = re.compile(r"^failure\.py: trial (\d+)\.(\d) (\w+) (\w+) lost (\d+) error (\S+)$", re.M)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_adpsgd_survives_deaths_at_any_point_of_an_averaging(seed: int, tmp_path: Path) -> None:
+    """20 trials, 2 per run of 4 workers at learning rate 0: a worker dies before, during or
+    after an averaging, as its active or its passive worker (the script's 5 kill points in
+    turns: each 4 times over the seeds), armed after a random number of steps, while the
+    others average at random moments; after each recovery the survivors' sum is what they
+    held less the dead worker's model (as its partner counts it: averaged where the
+    partner applied the average)."""
+    why = faults.unsupported()
+    if why is not None:
+        pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
+    proc = on_rank0_quietly(ulfm_job, ["trials", str(seed)], {"FAILURE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = TRIAL.findall(proc.stdout)
+    assert [(int(s), int(t)) for s, t, *_ in trials] == [(seed, 0), (seed, 1)], proc.stdout[-3000:]
+    assert all(float(error) < 1e-12 for *_, error in trials), proc.stdout[-3000:]
+    assert len({lost for *_, lost, _ in trials}) == 2, proc.stdout[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn")
+def test_train_survives_a_dead_worker(tmp_path: Path) -> None:
+    """``mpidl train --on-failure continue``, AD-PSGD on 4 workers: worker 1 is killed in its
+    10th step; the 3 survivors finish the 3 epochs, the training set dealt among them, the
+    epochs from the failure on ending by their own steps' budget, to good accuracy; the JSON
+    says who died when, and the output is rank 0's alone."""
+    why = faults.unsupported()
+    if why is not None:
+        pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
+    out = tmp_path / "run.json"
+    argv = ["--algorithm", "adpsgd", "--on-failure", "continue", "--backend", "numpy", "--hidden", "16"]
+    argv += ["--epochs", "3", "--no-progress", "--json", str(out)]
+    proc = on_rank0_quietly(ulfm_job, ["train", *argv], {"FAILURE_DIE": "1:10"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = on_rank0_quietly(lambda: json.loads(out.read_text()))
+    [failure] = run["failures"]
+    assert failure["lost"] == [1] and failure["workers"] == 3, failure
+    assert sum(failure["samples_per_worker"]) == run["meta"]["train_samples"], failure
+    epochs = run["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2, 3], epochs
+    # From the failure on, the epochs end as the survivors' steps reach their budget (an
+    # epoch's overshoot counting towards the next), the dead worker's steps not counted.
+    budget = 3 * data.steps_per_epoch(run["meta"]["train_samples"], 3, run["meta"]["batch_size"])
+    since = np.cumsum([e["steps"] for e in epochs[failure["epoch"] - 1 :]])
+    assert all(taken >= budget * (k + 1) for k, taken in enumerate(since)), (budget, since)
+    assert epochs[-1]["test_acc"] >= 0.75, epochs
+    assert proc.stdout.count("final: test accuracy") == 1, proc.stdout[-3000:]
+    assert f"# epoch {failure['epoch']}: worker(s) 1 of MPI_COMM_WORLD died; 3 continue" in proc.stdout
+
+
+def test_ulfm_finalize_hazard_is_named_until_the_launcher_skips_the_fence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Open MPI with ULFM on, the hazard of MPI_Finalize's closing fence (which AD-PSGD
+    with on_failure="continue" warns of) names the launcher option, until the launcher gave
+    it; elsewhere there is none."""
+    monkeypatch.setenv(faults.FT_ENABLE, "1")
+    monkeypatch.delenv(faults.ASYNC_FINALIZE, raising=False)
+    hazard = faults.finalize_hazard()
+    if faults.unsupported() is not None or not MPI.Get_library_version().startswith("Open MPI"):
+        assert hazard is None
+        return
+    assert hazard is not None and f"mpiexec --with-ft ulfm {' '.join(faults.LAUNCH_OPTIONS)}" in hazard
+    monkeypatch.setenv(faults.ASYNC_FINALIZE, "1")
+    assert faults.finalize_hazard() is None
 
 
 def test_without_ulfm_a_dead_worker_still_ends_the_job(tmp_path: Path) -> None:

@@ -22,11 +22,22 @@ Modes:
            ``failure.py: survivors SUM_ERROR LOST SIZE``: the largest difference between
            the survivors' sum and the initial sum less the dead worker's model, the
            world ranks lost, the survivors' communicator size.
+  trials SEED  AD-PSGD as in ``survive``, 4 ranks: two workers die one after the other,
+           at the points of an averaging that SEED gives them in turns (KILL_POINTS:
+           an active worker before it sends, during the averaging (both models
+           exchanged, its mean not applied) or after it; a passive one before (holding
+           its lock) or during (the request received, no reply sent)), each worker
+           drawn by SEED on that side and armed after a drawn number of steps; each
+           writes into $FAILURE_DIR the model the survivors must count as its own. After
+           each recovery the survivors settle and print ``failure.py: trial SEED.K
+           SIDE WHEN lost R error E``: E the largest difference of their sum from
+           what they held less the dead worker's model.
   train    ``mpidl train ARGS``, where rank 1 kills itself (SIGKILL) when the checkpoint
            after step $FAILURE_KILL_STEP is due, before writing it; with
            $FAILURE_SAVE_RESTORED=DIR, a resumed run first checkpoints the state it
            restored into DIR (to be compared with the checkpoint it resumed from); with
-           $FAILURE_RAISE_STEP=K, rank 0 raises in its training step after K steps.
+           $FAILURE_RAISE_STEP=K, rank 0 raises in its training step after K steps; with
+           $FAILURE_DIE=R:K, rank R kills itself (SIGKILL) in its training step after K steps.
 
 Just before it fails, the failing rank prints ``failure.py: rank R MODE at T``
 (T: time.time()) on stderr, so that a test can measure how long the job took
@@ -51,6 +62,14 @@ import mpidl
 comm = mpidl.init()
 rank = comm.Get_rank()
 mode = sys.argv[1]
+#: The points of an averaging where ``trials`` kills a worker: (its side, when).
+KILL_POINTS = [
+    ("active", "before"),
+    ("active", "during"),
+    ("active", "after"),
+    ("passive", "before"),
+    ("passive", "during"),
+]
 
 
 def announce() -> None:
@@ -65,10 +84,17 @@ if mode == "train":
     save = checkpoint.save
     train_step = train._Run._train_step
 
+    victim, _, die_step = os.environ.get("FAILURE_DIE", "-1:-1").partition(":")
+    if int(victim) >= 0:
+        faulthandler.dump_traceback_later(40)  # a hang of the survivors shows where each thread waits
+
     def train_step_or_raise(run: train._Run, batch: object) -> object:
         if run.step == raise_step and rank == 0:
             announce()
             raise RuntimeError("injected failure on rank 0")
+        if run.step == int(die_step) and rank == int(victim):
+            announce()
+            os.kill(os.getpid(), signal.SIGKILL)
         return train_step(run, batch)
 
     train._Run._train_step = train_step_or_raise
@@ -119,6 +145,90 @@ if mode == "survive":
     error = float(np.abs(survivors - (total - dead)).max())
     if algo.comm.Get_rank() == 0:
         print(f"failure.py: survivors {error:.3g} {','.join(map(str, algo.lost))} {algo.comm.Get_size()}", flush=True)
+    sys.exit(0)
+
+if mode == "trials":
+    import algorithms
+    from algorithms import adpsgd
+    from collectives.transport import p2p
+
+    # Two workers of 4 die, one after the other, each at the kill point of an averaging
+    # that the seed gives it (KILL_POINTS, in turns over the seeds); after each recovery
+    # the survivors settle and compare their sum.
+    seed = int(sys.argv[2])
+    faulthandler.dump_traceback_later(40)
+    rng = np.random.default_rng([11, seed, rank])
+    x = np.random.default_rng([7, seed, rank]).standard_normal(100)
+    algo = algorithms.create("adpsgd", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, on_failure="continue")
+    plan = np.random.default_rng([13, seed])
+    total = comm.allreduce(x)
+    folder = os.environ["FAILURE_DIR"]
+
+    def die(trial: int, point: str, model: np.ndarray) -> None:
+        """Leave this worker's model as the survivors must count it, and die."""
+        np.save(os.path.join(folder, f"dead-{trial}.npy"), model)
+        print(f"failure.py: rank {rank} {mode} at {time.time():.3f} ({point})", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm(trial: int, side: str, when: str) -> None:
+        """Make this worker die at the point ``when`` of its next averaging."""
+        point = f"{side}, {when} an averaging"
+        if side == "passive" and when == "before":  # holding its lock: requests wait unanswered
+            algo._lock.acquire()
+            die(trial, point, x.copy())
+        if side == "passive":  # during: the request received, the reply not sent
+
+            def reply(server: adpsgd._Server, own: np.ndarray, theirs: np.ndarray, peer: int) -> None:
+                die(trial, point, own.copy())
+
+            adpsgd._Server._reply_recorded = reply  # type: ignore[method-assign]
+            return
+        average_with = algo._average_with
+
+        def averaging(peer: int, step: int) -> float:
+            own = algo.flat.state_data
+            if when == "before":  # a neighbor chosen, nothing sent
+                die(trial, point, own.copy())
+            if when == "after":  # applied on both ends
+                average_with(peer, step)
+                die(trial, point, own.copy())
+            theirs = np.empty_like(own)  # both models sent and received, the mean not applied here
+            p2p.waitall([p2p.irecv(algo._comm, theirs, peer), p2p.isend(algo._comm, own, peer)])
+            die(trial, point, (own + theirs) / 2)
+            return 0.0
+
+        algo._average_with = averaging  # type: ignore[method-assign]
+
+    def draw(trial: int) -> tuple[int, str, str, int]:
+        """The next victim (a world rank on the kill point's side), its kill point, and
+        after how many steps it is armed."""
+        side, when = KILL_POINTS[(2 * seed + trial) % len(KILL_POINTS)]
+        sides = algo.topology.sides()
+        assert sides is not None  # AD-PSGD's graphs are bipartite
+        world = p2p.world_ranks(algo.comm)
+        candidates = [world[r] for r in range(algo.size) if (sides[r] == 0) == (side == "active")]
+        return candidates[int(plan.integers(len(candidates)))], side, when, int(plan.integers(5, 30))
+
+    trial, after, seen = 0, 0, 0
+    victim, side, when, arm_at = draw(trial)
+    while trial < 2 or after < 20:
+        if rank == victim and after == arm_at:
+            arm(trial, side, when)
+        time.sleep(rng.uniform(0, 2e-3))
+        algo.step(np.zeros_like(x))
+        after += 1
+        if len(algo.lost) > seen:
+            algo.settle()
+            survivors = algo.comm.allreduce(x)
+            dead = np.load(os.path.join(folder, f"dead-{trial}.npy"))
+            error = float(np.abs(survivors - (total - dead)).max())
+            if algo.comm.Get_rank() == 0:
+                lost = ",".join(map(str, algo.lost[seen:]))
+                print(f"failure.py: trial {seed}.{trial} {side} {when} lost {lost} error {error:.3g}", flush=True)
+            total, seen, trial, after = survivors, len(algo.lost), trial + 1, 0
+            if trial < 2:
+                victim, side, when, arm_at = draw(trial)
+    algo.close()
     sys.exit(0)
 
 x = np.ones(1000, np.float32)
