@@ -195,6 +195,13 @@ class CompressedSlices:
         the linear compressors."""
         return self.feedback[k].allreduce(buf, comm, op, algorithm=algorithm)
 
+    def respec(self, k: int, spec: str, layout: Layout) -> None:
+        """Compress slice ``k`` from now on with the compressor ``spec`` names (for the
+        slice's ``layout``, seeded as before), keeping its memory; nothing if it has it."""
+        f = self.feedback[k]
+        if f.compressor.spec != spec:
+            f.compressor = compressor_for(spec, layout, f.compressor.seed)
+
     def reset(self) -> None:
         """Forget every slice's memory."""
         for f in self.feedback:
