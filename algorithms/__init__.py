@@ -32,7 +32,9 @@ flight, e.g. before the models are evaluated.
 Graphs and mixing matrices are in :mod:`algorithms.topology`; a numpy SGD
 optimizer with torch's semantics in :mod:`algorithms.optim`;
 :func:`broadcast_optimizer_state` gives every worker one worker's optimizer
-state (:mod:`algorithms.broadcast`).
+state and :func:`broadcast_parameters` one worker's tensors (:mod:`algorithms.broadcast`);
+``AllReduceSGD.join()`` lets workers run out of data at different steps
+(:mod:`algorithms.join`).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from mpi4py import MPI
 
 from .adpsgd import ADPSGD
 from .allreduce_sgd import AllReduceSGD
-from .base import Algorithm
-from .broadcast import broadcast_optimizer_state
+from .base import Algorithm, StateError
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .dpsgd import DPSGD
 from .flat import FlatParams, flatten
 from .grsgd import GRSGD
@@ -91,9 +93,11 @@ __all__ = [
     "AllReduceSGD",
     "FlatParams",
     "Prague",
+    "StateError",
     "Topology",
     "TopologyError",
     "broadcast_optimizer_state",
+    "broadcast_parameters",
     "create",
     "flatten",
 ]

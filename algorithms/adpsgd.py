@@ -1,7 +1,7 @@
 """AD-PSGD: asynchronous decentralized SGD, averaging atomically with one random neighbor.
 
 Lian, Zhang, Zhang & Liu, "Asynchronous Decentralized Parallel Stochastic
-Gradient Descent", ICML 2018; seed 001, section 4.3. The graph is bipartite:
+Gradient Descent", ICML 2018. The graph is bipartite:
 its two sides are the *active* workers (rank 0's side) and the *passive* ones,
 and every edge joins an active worker to a passive one.
 
@@ -71,6 +71,30 @@ state beyond its model and optimizer is its random generator and counters
 (:meth:`ADPSGD.state_dict`): a resumed worker draws the neighbors it would
 have drawn, though the interleaving of the workers' steps is the new run's.
 
+A worker that dies (``on_failure="continue"``, where the MPI library has
+ULFM, :mod:`collectives.transport.faults`; elsewhere, and by default, it ends
+the job): the worker that sees an operation with it fail revokes the private
+communicator, so that every survivor's threads see it within a step; each
+survivor then recovers in its next :meth:`ADPSGD.step`, :meth:`ADPSGD.settle`
+or :meth:`ADPSGD.close` (collective over the survivors, which wait for each
+other there): its threads stop, the survivors agree and shrink the
+communicator, settle the averagings that the failure interrupted, and go on
+over the default graph of the survivors (the ring for an even number, else
+the complete bipartite graph; a worker may change sides, and a passive
+worker whose active neighbors died gets new ones). :attr:`ADPSGD.comm` is
+then the survivors' communicator and :attr:`ADPSGD.lost` names the dead.
+An averaging is applied by both of its workers or by neither: an active
+worker applies it when it has received its partner's model, a passive worker
+when its reply went out; after a failure the passive worker of every pair of
+survivors takes back its half (or applies it) where the active worker's view
+differs (it keeps the difference its last averaging with each active
+neighbor made: m bytes each), so with learning rate 0 the survivors' sum is
+what they held, whatever the moment of the failure. With the dead worker,
+each survivor's own view stands: an averaging whose transfers failed left it
+untouched, one that completed stays. :meth:`ADPSGD.settle` ends, in this
+mode, with an agreement (one more collective), so that every survivor leaves
+it with the same verdict.
+
 Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default; refused below it). The
 service threads make the model's CUDA device current when they start
 (:func:`collectives.transport.gpu.use_device`); an exception in one ends the
@@ -81,7 +105,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 from zlib import crc32
 
@@ -91,16 +116,19 @@ from mpi4py import MPI
 from collectives import ArgumentError, reduction
 from collectives.partial.placement import Placement
 from collectives.topology.layout import layout as node_layout
-from collectives.transport import gpu, p2p, threads
+from collectives.transport import faults, gpu, p2p, threads
+from collectives.transport.background import Background
 from collectives.transport.buffers import array_module
 from collectives.transport.scratch import scratch
 
-from .background import Background
+from . import events
 from .base import Algorithm
 from .topology import Topology, build
 
 #: How an active worker chooses the neighbor of its next averaging.
 PARTNERS = ("random", "aware")
+#: What a worker's death does: end the job, or let the survivors go on (module docstring).
+ON_FAILURE = ("abort", "continue")
 
 
 class ADPSGD(Algorithm):
@@ -114,6 +142,9 @@ class ADPSGD(Algorithm):
         seed: seeds each worker's choice of neighbors (with its rank).
         partner: "random" (the paper's) or "aware" (module docstring).
         cross_every: aware: every how many averagings cross nodes (>= 1).
+        on_failure: "abort" (a worker's death ends the job) or "continue" (the
+            survivors go on, where the MPI library has ULFM; elsewhere a warning
+            says that it has not, and a death ends the job; module docstring).
 
     Attributes:
         topology: the resolved graph.
@@ -121,6 +152,9 @@ class ADPSGD(Algorithm):
         peers: its neighbors, all on the other side.
         averagings: averagings this worker took part in.
         last_peer: the neighbor of the last averaging it started (active), or None.
+        lost: the ``MPI_COMM_WORLD`` ranks of the workers that died (on_failure="continue").
+        survives: whether a worker's death leaves the others training (on_failure="continue"
+            and ULFM available).
     """
 
     name = "adpsgd"
@@ -136,19 +170,26 @@ class ADPSGD(Algorithm):
         seed: int = 0,
         partner: str = "random",
         cross_every: int = 2,
+        on_failure: str = "abort",
         **common: Any,
     ) -> None:
         self.topology_arg, self.seed, self.partner, self.cross_every = topology, seed, partner, cross_every
+        self.on_failure = on_failure
+        self.survives = False
+        self.lost: list[int] = []
         self.averagings = 0
         self.last_peer: int | None = None
+        self._exchanges: dict[int, tuple[int, bool]] = {}  # survives, active: per passive (world rank)
         self._background: Background | None = None
         self._server: _Server | None = None
+        self._records: dict[int, tuple[int, bool]] = {}  # a stopped server's, until reconciled
+        self._deltas: dict[int, Any] = {}
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
         topo = self.topology_arg
         if topo is None:
-            topo = build("ring" if self.size % 2 == 0 else "bipartite", self.size)
+            topo = _default_graph(self.size)
         elif isinstance(topo, str):
             topo = build(topo, self.size)
         elif not isinstance(topo, Topology):
@@ -169,18 +210,34 @@ class ADPSGD(Algorithm):
             raise ArgumentError(f"unknown partner choice {self.partner!r}; valid: {', '.join(PARTNERS)}")
         if isinstance(self.cross_every, bool) or not isinstance(self.cross_every, int) or self.cross_every < 1:
             raise ArgumentError(f"cross_every must be an integer >= 1, got {self.cross_every!r}")
+        if self.on_failure not in ON_FAILURE:
+            raise ArgumentError(f"unknown on_failure {self.on_failure!r}; valid: {', '.join(ON_FAILURE)}")
         threads.require_multiple("AD-PSGD averages on service threads")
+        if self.on_failure == "continue":
+            why = faults.unavailable()
+            self.survives = why is None
+            if why is not None and self.rank == 0:
+                faults.warn(
+                    f"AD-PSGD on_failure='continue': ULFM is not available ({why}); "
+                    "a worker that dies ends the job (the fail-fast abort stays)"
+                )
         self.topology, self.active, self.peers = topo, sides[self.rank] == 0, topo.neighbors(self.rank)
-        return (topo.name, crc32(topo.W.tobytes()), self.seed, self.partner, self.cross_every)
+        return (topo.name, crc32(topo.W.tobytes()), self.seed, self.partner, self.cross_every, self.on_failure)
 
     def _start(self) -> None:
-        self._comm = self.comm.Dup()
+        self._comm = faults.returning(self.comm.Dup()) if self.survives else self.comm.Dup()
         self._lock = threading.Lock()
         self._red = reduction("avg", self.flat.dtype, array_module(self.flat.state_data))
         self._rng = np.random.default_rng([self.seed, self.rank])
+        self._start_threads()
+
+    def _start_threads(self) -> None:
+        """Placement, and the averaging thread (active) or the server (passive), on ``self._comm``."""
         self._placement = (
             Placement(node_layout(self.comm).node_of, self.cross_every) if self.partner == "aware" else None
         )
+        self._world = p2p.world_ranks(self._comm)
+        self._exchanges = {}
         if not self.peers or not self.flat.state_data.shape[0]:  # no neighbor, or nothing to average
             return
         if self.active:
@@ -188,7 +245,17 @@ class ADPSGD(Algorithm):
         else:
             self._server = _Server(self)
 
+    def _failing(self, pending: Sequence[Any] = ()) -> AbstractContextManager:
+        """Where a worker's death is survived: a block whose failed transfers revoke the
+        private communicator and raise :class:`~collectives.transport.faults.PeerFailure`."""
+        return faults.revoking(self._comm, pending) if self.survives else nullcontext()
+
     def _step(self) -> None:
+        if self._background is not None and self._background.pending:
+            if not self._collect():
+                self._recover()
+        elif self._server is not None and self._server.failure is not None:
+            self._recover()
         if self._server is not None:  # passive
             t0 = time.perf_counter()
             with self._lock:
@@ -196,12 +263,10 @@ class ADPSGD(Algorithm):
                 self.optimizer.step()
             self._count_served()
             return
-        if self._background is not None and self._background.pending:
-            self._collect()
         self.optimizer.step()
         if self._background is not None:
             self.last_peer = self._next_peer()
-            self._background.submit(self._average_with, self.last_peer)
+            self._background.submit(self._average_with, self.last_peer, self.iterations)
 
     def _next_peer(self) -> int:
         """The neighbor of the next averaging: drawn at random, or by place and speed (aware)."""
@@ -211,28 +276,40 @@ class ADPSGD(Algorithm):
         chosen = self._placement.choose(self.rank, shuffled, 1)
         return shuffled[0] if chosen is None else chosen[0]  # None: a crossing is due, but no neighbor is away
 
-    def _average_with(self, peer: int) -> float:
+    def _average_with(self, peer: int, step: int) -> float:
         """On the averaging thread: x_i, x_peer <- (x_i + x_peer) / 2 (the peer's server does its
-        half); the seconds it took."""
+        half); the seconds it took (a recorded timeline gets it as a span of ``step``)."""
         t0 = time.perf_counter()
         x = self.flat.state_data
         theirs = scratch(x, x.shape[0])
         p2p.operation(f"AD-PSGD averaging with rank {peer}")
+        world = self._world[peer]
+        started = self._exchanges.get(world, (0, False))[0] + 1
+        self._exchanges[world] = (started, False)
         pending = [p2p.irecv(self._comm, theirs, peer), p2p.isend(self._comm, x, peer)]
-        p2p.waitall(pending, self._comm, (peer,), poll=True)
+        with self._failing(pending):
+            p2p.waitall(pending, self._comm, (peer,), poll=True)
         _average(self._red, x, theirs, peer < self.rank)
-        return time.perf_counter() - t0
+        self._exchanges[world] = (started, True)
+        t1 = time.perf_counter()
+        if events.active is not None:
+            events.active.add(f"average with rank {peer}", events.COMMUNICATION, t0, t1, step=step)
+        return t1 - t0
 
-    def _collect(self) -> None:
-        """Wait for the averaging in flight; count its time and bytes."""
+    def _collect(self) -> bool:
+        """Wait for the averaging in flight; count its time and bytes. False: a peer
+        failed (it was abandoned, the private communicator revoked)."""
         assert self._background is not None  # active workers only
-        t0 = time.perf_counter()
-        seconds, nbytes = self._background.result()
-        self.comm_wait_s += time.perf_counter() - t0
+        with self._communicating("wait for averaging", events.WAIT):
+            try:
+                seconds, nbytes = self._background.result()
+            except faults.PeerFailure:
+                return False
         self.bytes_sent += nbytes
         self.averagings += 1
         if self._placement is not None and self.last_peer is not None:
             self._placement.exchanged((self.rank, self.last_peer), seconds)
+        return True
 
     def _count_served(self) -> None:
         """Add what the server did since the last count (passive)."""
@@ -242,19 +319,98 @@ class ADPSGD(Algorithm):
         self.bytes_sent += nbytes
 
     def settle(self) -> None:
-        """Finish every averaging in flight (collective; module docstring)."""
+        """Finish every averaging in flight (collective; module docstring). Where a worker's
+        death is survived, the survivors recover and settle again among themselves."""
         super().settle()
+        while not self._settle_once():
+            self._recover(agreed=True)
+
+    def _settle_once(self) -> bool:
+        """One settle over the current communicator; False: a peer failed (the survivors
+        agreed so, on every rank)."""
+        ended = True
         if self._background is not None:
             if self._background.pending:
-                self._collect()
+                ended = self._collect()
             end = self.flat.state_data[:0]
-            for peer in self.peers:
-                p2p.send(self._comm, end, peer)
+            try:
+                with self._failing():
+                    for peer in self.peers if ended else ():
+                        p2p.send(self._comm, end, peer)
+            except faults.PeerFailure:
+                ended = False
         elif self._server is not None:
             t0 = time.perf_counter()
-            self._server.wait_for_ends(len(self.peers))
+            ended = self._server.wait_for_ends(len(self.peers))
             self.comm_wait_s += time.perf_counter() - t0
             self._count_served()
+        if not self.survives:
+            return True
+        if not ended:
+            faults.revoke(self._comm)
+        with p2p.waiting(self._comm):
+            return faults.agree(self._comm, ended)
+
+    def _recover(self, agreed: bool = False) -> None:
+        """After a peer failed (collective over the survivors; module docstring): stop the
+        threads, agree (unless the caller did), shrink, settle the interrupted averagings,
+        and start over on the survivors' communicator and graph."""
+        old = self._comm
+        faults.revoke(old)  # where this worker saw it first on its own thread: the others see it too
+        self._stop_threads()
+        p2p.operation("AD-PSGD recovery (agreeing with the survivors and shrinking the communicator)")
+        with p2p.waiting(old):
+            if not agreed:
+                faults.agree(old, False)
+            survivors, lost = faults.shrink(old)
+        self._reconcile(survivors)
+        old.Free()
+        self.lost += lost
+        self.comm, self.rank, self.size = survivors, survivors.Get_rank(), survivors.Get_size()
+        self._comm = faults.returning(survivors.Dup())
+        self.topology = _default_graph(self.size)
+        sides = self.topology.sides()
+        assert sides is not None  # the default graphs are bipartite
+        self.active, self.peers, self.last_peer = sides[self.rank] == 0, self.topology.neighbors(self.rank), None
+        if self.rank == 0:
+            faults.warn(
+                f"AD-PSGD: worker(s) {', '.join(map(str, lost))} of MPI_COMM_WORLD failed; "
+                f"{self.size} continue over the graph {self.topology.name}"
+            )
+        self._start_threads()
+
+    def _stop_threads(self) -> None:
+        """Stop the averaging thread or the server (its averaging abandoned, or done)."""
+        if self._background is not None:
+            while self._background.pending:
+                self._collect()
+            self._background.close()
+            self._background = None
+        if self._server is not None:
+            self._server.stop()
+            self._count_served()
+            self._records, self._deltas = self._server.records, self._server.deltas
+            self._server = None
+
+    def _reconcile(self, survivors: MPI.Intracomm) -> None:
+        """Make both workers of every averaging between survivors apply it or neither
+        (collective over ``survivors``). The active worker's view decides: it applied the
+        averaging iff it received its partner's model; a passive worker that differs adds
+        back or takes back the difference it recorded (module docstring)."""
+        me = p2p.world_ranks(survivors)[survivors.Get_rank()]
+        with p2p.waiting(survivors):
+            views = dict(survivors.allgather((me, self._exchanges)))
+        records, deltas = self._records, self._deltas
+        self._records, self._deltas = {}, {}
+        x = self.flat.state_data
+        xp = array_module(x)
+        for active, (served, applied) in records.items():
+            if active not in views:  # it died: this worker's own view stands
+                continue
+            started, received = views[active].get(me, (0, False))
+            happened = started > served or received
+            if happened != applied:
+                (xp.add if happened else xp.subtract)(x, deltas[active], out=x)
 
     def state_dict(self) -> dict[str, Any]:
         """The counters, the averagings, the last peer and the neighbor generator's state (after settle())."""
@@ -267,8 +423,8 @@ class ADPSGD(Algorithm):
             "rng": self._rng.bit_generator.state,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         self.averagings, self.last_peer = int(state["averagings"]), state["last_peer"]
         self._rng.bit_generator.state = state["rng"]
 
@@ -277,27 +433,40 @@ class ADPSGD(Algorithm):
         if self.closed:
             return
         self.settle()
-        if self._background is not None:
-            self._background.close()
-        if self._server is not None:
-            self._server.stop()
+        self._stop_threads()
         self._comm.Free()
         super().close()
 
 
+def _default_graph(n: int) -> Topology:
+    """The graph of n workers when none is given: the ring for even n, else the complete
+    bipartite graph between even and odd ranks (a ring of odd n is not bipartite)."""
+    return build("ring" if n % 2 == 0 else "bipartite", n)
+
+
+def _mean(red: Any, x: Any, theirs: Any, theirs_first: bool) -> None:
+    """theirs <- (x + theirs) / 2, the lower rank's operand first (so both ends compute the same bits)."""
+    red.combine(theirs, x, src_first=not theirs_first)
+    red.finalize(theirs, 2)
+
+
 def _average(red: Any, x: Any, theirs: Any, theirs_first: bool) -> None:
-    """x <- (x + theirs) / 2, the lower rank's operand first (so both ends compute the same bits).
+    """x <- (x + theirs) / 2 (:func:`_mean`).
 
     The average is formed in ``theirs`` and copied into ``x`` in one pass: the
     worker's main thread reads ``x`` meanwhile (its forward pass), and must see
     each element either before or after the averaging, never the sum."""
-    red.combine(theirs, x, src_first=not theirs_first)
-    red.finalize(theirs, 2)
+    _mean(red, x, theirs, theirs_first)
     array_module(x).copyto(x, theirs)
 
 
 class _Server:
-    """A passive worker's thread: answers averaging requests, counts end markers."""
+    """A passive worker's thread: answers averaging requests, counts end markers.
+
+    Where a worker's death is survived, it also keeps, per active neighbor (world
+    rank), ``records``: (averagings whose request it received, whether it applied
+    the last one) and ``deltas``: the difference the last one made (or would have
+    made) to its model; a failure ends the thread with ``failure`` set."""
 
     def __init__(self, algo: ADPSGD) -> None:
         self.algo = algo
@@ -305,9 +474,21 @@ class _Server:
         self._served = self._sent = 0  # since the last take_counts()
         self._cond = threading.Condition()
         self._stopping = False
+        self.failure: faults.PeerFailure | None = None
+        self.records: dict[int, tuple[int, bool]] = {}
+        self.deltas: dict[int, Any] = {}
         self._thread = threads.start(self._serve, f"adpsgd-server-rank{algo.rank}")
 
     def _serve(self) -> None:
+        try:
+            with self.algo._failing():
+                self._answer()
+        except faults.PeerFailure as exc:  # raised only where a death is survived: the worker recovers
+            with self._cond:
+                self.failure = exc
+                self._cond.notify_all()
+
+    def _answer(self) -> None:
         algo = self.algo
         comm, x, lock = algo._comm, algo.flat.state_data, algo._lock
         gpu.use_device(gpu.device_of(x))
@@ -329,11 +510,36 @@ class _Server:
             before = p2p.bytes_sent()
             with lock:
                 p2p.recv(comm, theirs, peer)
-                p2p.send(comm, x, peer)
-                _average(algo._red, x, theirs, peer < algo.rank)
+                if algo.survives:
+                    self._reply_recorded(x, theirs, peer)
+                else:
+                    p2p.send(comm, x, peer)
+                    _average(algo._red, x, theirs, peer < algo.rank)
             with self._cond:
                 self._served += 1
                 self._sent += p2p.bytes_sent() - before
+
+    def _reply_recorded(self, x: Any, theirs: Any, peer: int) -> None:
+        """Send ``x`` to ``peer`` and average with ``theirs``, its model, where the reply
+        went out; record the averaging and the difference it makes (class docstring).
+        Raises the reply's MPI error, if any, with ``x`` untouched."""
+        algo = self.algo
+        failure: MPI.Exception | None = None
+        try:
+            p2p.send(algo._comm, x, peer)
+        except MPI.Exception as exc:
+            failure = exc
+        world = algo._world[peer]
+        _mean(algo._red, x, theirs, peer < algo.rank)
+        xp = array_module(x)
+        delta = self.deltas.get(world)
+        if delta is None:
+            delta = self.deltas[world] = xp.empty_like(x)
+        xp.subtract(theirs, x, out=delta)
+        self.records[world] = (self.records.get(world, (0, False))[0] + 1, failure is None)
+        if failure is not None:
+            raise failure
+        xp.copyto(x, theirs)
 
     def take_counts(self) -> tuple[int, int]:
         """(averagings served, bytes sent) since the last call."""
@@ -342,18 +548,22 @@ class _Server:
             self._served = self._sent = 0
         return counts
 
-    def wait_for_ends(self, k: int) -> None:
-        """Wait until ``k`` end markers have arrived since the last wait, and consume them."""
+    def wait_for_ends(self, k: int) -> bool:
+        """Wait until ``k`` end markers have arrived since the last wait, and consume them;
+        False where the thread failed first (:attr:`failure`)."""
         blocked = p2p.watch(self.algo._comm, self.algo.peers)
         p2p.operation("AD-PSGD settle (waiting for the active neighbors' end markers)")
         try:
             with self._cond:
-                self._cond.wait_for(lambda: self._ends >= k)
+                self._cond.wait_for(lambda: self._ends >= k or self.failure is not None)
+                if self.failure is not None:
+                    return False
                 self._ends -= k
+                return True
         finally:
             blocked.since = 0.0
 
     def stop(self) -> None:
-        """End the thread (after :meth:`ADPSGD.settle`: no request can come)."""
+        """End the thread (after :meth:`ADPSGD.settle`, or a failure: no request can come)."""
         self._stopping = True
         self._thread.join()

@@ -5,7 +5,7 @@ Each step, on every worker i of n:
 1. g_i = the local gradient at x (computed by the caller);
 2. g = (1/n) sum_j g_j by all-reduces (average) of the flat gradient buffer,
    in place, bucket by bucket (:mod:`algorithms.buckets`), with any
-   algorithm of :data:`collectives.ALGORITHMS`;
+   all-reduce algorithm of :data:`collectives.COLLECTIVES`;
 3. x <- optimizer step with g (e.g. SGD with momentum).
 
 Every worker applies the same averaged gradient to the same model, so the
@@ -13,7 +13,7 @@ models stay bitwise identical (the all-reduce gives every rank the same bits)
 and the algorithm is mini-batch SGD with an n times larger batch.
 
 Overlap (``overlap=True``): the all-reduce of a bucket starts, on a service
-thread (:class:`~algorithms.background.Background`, over a private duplicate
+thread (:class:`~collectives.transport.background.Background`, over a private duplicate
 of the communicator), as soon as backward has accumulated all its gradients
 — a post-accumulate-grad hook per parameter reports them
 (:class:`~algorithms.buckets.Tracker`) — while backward goes on computing
@@ -92,14 +92,15 @@ Cost per step: one all-reduce of the model's size m bytes, in b buckets; with
 the ring, 2(n-1) b alpha + 2 m (n-1)/n beta + m (n-1)/n gamma, and each
 worker sends 2 m (n-1)/n bytes, the bandwidth lower bound. With overlap the
 part of it that runs while backward computes the earlier gradients is off the
-critical path (where a core is free for it). Reference: seed 001, section 4.3
-(BSP); Goyal et al., "Accurate, Large Minibatch SGD", 2017; buckets as in
+critical path (where a core is free for it). Reference: Valiant's
+BSP model; Goyal et al., "Accurate, Large Minibatch SGD", 2017; buckets as in
 Li et al., "PyTorch Distributed", VLDB 2020.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
@@ -112,19 +113,24 @@ from mpi4py import MPI
 import collectives
 from collectives import ArgumentError, as_flat, reduction
 from collectives.compression import TopK
+from collectives.errors import renamed, renamed_keyword
 from collectives.kernels.resident import SharedVectors
 from collectives.topology.layout import RanksPerNode, detected
 from collectives.topology.layout import layout as node_layout
 from collectives.transport import gpu, threads
+from collectives.transport.background import Background
+from collectives.transport.buffers import array_module
 from collectives.transport.context import context
 
-from .background import Background, spare_cores
+from . import events
+from .background import spare_cores
 from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
 from .compressed import CompressedSlices, name_of, part, resolve
 from .dgc import DGC
 from .flat import TorchFlatParams
 from .fused_sgd import SharedSGD, unfusable
+from .join import Join
 from .local_momentum import LocalMomentum, default_on, parameter_groups
 
 
@@ -133,8 +139,8 @@ class AllReduceSGD(Algorithm):
 
     Args:
         model, optimizer, comm, broadcast_init, validate: see :class:`~algorithms.base.Algorithm`.
-        algorithm: the all-reduce algorithm (a key of
-            :data:`collectives.ALGORITHMS`; "auto" chooses by the cost model,
+        collective: the all-reduce algorithm (a key of
+            :data:`collectives.COLLECTIVES`; "auto" chooses by the cost model,
             per bucket size, resolved — and, on first use, calibrated — at
             construction).
         layout: ranks per node for the topology-aware all-reduce algorithms
@@ -178,13 +184,14 @@ class AllReduceSGD(Algorithm):
             for the parameters and momentum (a small ``/dev/shm``); True:
             there, else an ArgumentError saying why not (an OSError on every
             rank where the memory lacks).
+        algorithm: the old name of ``collective`` (deprecated).
 
     Attributes:
         choice: for "auto", the cost model's choice for the whole model's size
             (:func:`collectives.explain`), else None.
         overlap: whether buckets are all-reduced during backward.
         buckets: the bucket plan (:func:`algorithms.buckets.plan`), in launch order.
-        bucket_algorithms: the all-reduce algorithm of each bucket.
+        bucket_collectives: the all-reduce algorithm of each bucket.
         resident: whether the flat gradient lives in shared memory, where the
             ``shm`` buckets are all-reduced in place (module docstring).
         compression: the buckets' compressors and error-feedback memory
@@ -204,7 +211,7 @@ class AllReduceSGD(Algorithm):
         optimizer: Any,
         comm: MPI.Comm | None = None,
         *,
-        algorithm: str = collectives.DEFAULT_ALGORITHM,
+        collective: str = collectives.DEFAULT_COLLECTIVE,
         layout: RanksPerNode = None,
         overlap: bool | None = None,
         bucket_mb: float | None = None,
@@ -217,9 +224,12 @@ class AllReduceSGD(Algorithm):
         sparsity_warmup: int = 0,
         seed: int = 0,
         fuse_update: bool | None = None,
+        algorithm: str | None = None,
         **common: Any,
     ) -> None:
-        self.algorithm = algorithm
+        self.collective = renamed_keyword(
+            "AllReduceSGD", "algorithm", "collective", algorithm, collective, collectives.DEFAULT_COLLECTIVE
+        )
         self.layout = layout
         self.overlap_arg, self.bucket_mb = overlap, bucket_mb
         self.compression_arg, self.error_feedback_arg, self.seed = compression, error_feedback, seed
@@ -236,13 +246,13 @@ class AllReduceSGD(Algorithm):
         self._shared: SharedVectors | None = None
         self._hooks: list[Any] = []
         self._sync = True
+        self._joining: Join | None = None  # inside join() (algorithms.join)
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
-        if self.algorithm not in collectives.ALGORITHMS:
+        if self.collective not in collectives.COLLECTIVES:
             raise ArgumentError(
-                f"unknown all-reduce algorithm {self.algorithm!r}; "
-                f"valid algorithms: {', '.join(collectives.ALGORITHMS)}"
+                f"unknown collective {self.collective!r}; valid collectives: {', '.join(collectives.COLLECTIVES)}"
             )
         if self.layout is not None:
             node_layout(self.comm, self.layout)  # parses the override: local
@@ -273,7 +283,7 @@ class AllReduceSGD(Algorithm):
         if self.fuse_update_arg and self._unfusable:
             raise ArgumentError(f"fuse_update=True, but {self._unfusable}")
         return (
-            self.algorithm,
+            self.collective,
             self.layout,
             self.overlap_arg,
             self.bucket_mb,
@@ -348,20 +358,27 @@ class AllReduceSGD(Algorithm):
         if self.bucket_mb is None and self._compression is not None and not self.overlap:
             self.buckets = plan(self.flat.sizes, self.flat.trainable, max(1, self.flat.size))
         device = self.flat.memory
+        dtype = self.flat.dtype
         self.choice = (
-            collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device)
-            if self.algorithm == "auto"
+            collectives.explain(self.flat.nbytes, self.comm, layout=self.layout, device=device, dtype=dtype, op="avg")
+            if self.collective == "auto"
             else None
         )
         itemsize = self.flat.grad_data.itemsize
         resolved: dict[int, str] = {}
         for b in self.buckets:
-            if self.algorithm == "auto" and b.size not in resolved:
+            if self.collective == "auto" and b.size not in resolved:
                 choice = collectives.explain(
-                    b.size * itemsize, self.comm, layout=self.layout, device=device, validate=False
+                    b.size * itemsize,
+                    self.comm,
+                    layout=self.layout,
+                    device=device,
+                    validate=False,
+                    dtype=dtype,
+                    op="avg",
                 )
                 resolved[b.size] = choice.algorithm
-        self.bucket_algorithms = tuple(resolved.get(b.size, self.algorithm) for b in self.buckets)
+        self.bucket_collectives = tuple(resolved.get(b.size, self.collective) for b in self.buckets)
         self._frozen = [p for p, _ in getattr(self.flat, "views", ()) if not p.requires_grad]
         # With overlap, the service thread's own communicator: the caller may use self.comm meanwhile.
         self._comm = self.comm.Dup() if self.overlap else self.comm
@@ -371,8 +388,9 @@ class AllReduceSGD(Algorithm):
             self.compression = CompressedSlices(spec, feedback, self.flat.grads, bounds, self.flat.layout(), self.seed)
             if self._local:
                 self.local_momentum = LocalMomentum(self.optimizer, self.flat)
-        elif "shm" in self.bucket_algorithms and self._resident():
+        elif "shm" in self.bucket_collectives and self._resident():
             self._red = reduction("avg", self.flat.dtype)
+            self._sum = reduction("sum", self.flat.dtype)
             self._shared = SharedVectors(context(self._comm).comm, self.flat.size, self.flat.grad_data.dtype)
             self._move_grads(self._shared.mine)
         self.resident = self._shared is not None
@@ -399,7 +417,7 @@ class AllReduceSGD(Algorithm):
         why = self._unfusable
         if why is None and self.overlap:
             why = "the buckets are all-reduced during backward (overlap)"
-        if why is None and (self._shared is None or set(self.bucket_algorithms) != {"shm"}):
+        if why is None and (self._shared is None or set(self.bucket_collectives) != {"shm"}):
             why = "the gradients are not all-reduced in shared memory (one node, every bucket shm)"
         if why is not None or self.fuse_update_arg is False:
             if self.fuse_update_arg:
@@ -478,7 +496,7 @@ class AllReduceSGD(Algorithm):
         flat buffer, or, for an all-reduce in shared memory, where backward left them,
         as (offset, array) pieces for :meth:`SharedVectors.allreduce`."""
         flat = self.flat
-        if self._shared is None or self.bucket_algorithms[bucket.index] != "shm":
+        if self._shared is None or self.bucket_collectives[bucket.index] != "shm":
             for i in bucket.params:
                 flat.collect_grad(i)
             return ()
@@ -498,9 +516,32 @@ class AllReduceSGD(Algorithm):
     ) -> None:
         """All-reduce (average) ``bucket``'s slice of the flat gradient, in place
         (``pieces``: see :meth:`_prepare`; ``finish``: the fused update, see
-        :meth:`SharedVectors.allreduce`)."""
-        if self._shared is not None and self.bucket_algorithms[bucket.index] == "shm":
-            self._shared.allreduce(bucket.start, bucket.stop, self._red, pieces, finish)
+        :meth:`SharedVectors.allreduce`); a recorded timeline gets it as a span."""
+        recorder = events.active
+        if recorder is None:
+            self._reduce_bucket(bucket, pieces, finish)
+            return
+        t0 = time.perf_counter()
+        self._reduce_bucket(bucket, pieces, finish)
+        k = bucket.index
+        recorder.add(
+            f"bucket {k}",
+            events.COMMUNICATION,
+            t0,
+            time.perf_counter(),
+            step=self.iterations,
+            bucket=k,
+            bytes=bucket.size * self.flat.grad_data.itemsize,
+            collective=self.bucket_collectives[k],
+        )
+
+    def _reduce_bucket(
+        self, bucket: Bucket, pieces: Sequence[tuple[int, Any]], finish: Callable[..., None] | None
+    ) -> None:
+        """:meth:`_reduce`'s all-reduce."""
+        joining = self._joining is not None  # then sum: the step divides by the workers still in
+        if self._shared is not None and self.bucket_collectives[bucket.index] == "shm":
+            self._shared.allreduce(bucket.start, bucket.stop, self._sum if joining else self._red, pieces, finish)
             return
         dgc, k = self.dgc, bucket.index
         if dgc is not None:
@@ -513,7 +554,7 @@ class AllReduceSGD(Algorithm):
             if dgc is not None and dgc.warmup:
                 ratio = dgc.ratio(self.iterations - self.compression_start)
                 self.compression.respec(k, f"topk:{ratio:g}", part(self.flat.layout(), bucket.start, bucket.stop))
-            self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_algorithms[k])
+            self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_collectives[k])
             if dgc is not None and dgc.masking and self.local_momentum is not None:
                 compressor = self.compression.feedback[k].compressor
                 assert isinstance(compressor, TopK)  # masking is for top-k only
@@ -522,15 +563,15 @@ class AllReduceSGD(Algorithm):
         collectives.allreduce(
             self._slices[bucket.index],
             self._comm,
-            "avg",
-            self.bucket_algorithms[bucket.index],
+            "sum" if joining else "avg",
+            self.bucket_collectives[bucket.index],
             validate=False,
             layout=self.layout,
         )
 
     def _step(self) -> None:
         fused = self.fused_update
-        if fused is None:
+        if fused is None or self._joining is not None:  # joining: the average comes after the sum
             self._synchronize()
             self._update()
             return
@@ -552,16 +593,76 @@ class AllReduceSGD(Algorithm):
                 "a parameter frozen when the algorithm was built now requires a gradient, which no "
                 "bucket holds; set requires_grad before building the algorithm"
             )
-        with self._communicating():
-            if self._background is None:
+        joining = self._joining
+        overlapped = self._background is not None
+        with self._communicating(*(("wait for buckets", events.WAIT) if overlapped else ())):
+            count = joining.count(active=True) if joining is not None else self.size
+            self._reduce_buckets(finish)
+            if joining is not None:  # the buckets hold sums: average over the workers still in
+                average = reduction("avg", self.flat.dtype, array_module(self.flat.grad_data))
                 for b in self.buckets:
-                    self._reduce(b, self._prepare(b), finish)
-            else:
-                self._tracker.flush()
-                self._tracker.reset()
-                self._drain()
+                    average.finalize(self.flat.grad_data[b.start : b.stop], count)
         if self._shared is not None:
             self.flat.point_grads(self._bucketed)
+
+    def _reduce_buckets(self, finish: Callable[..., None] | None = None) -> None:
+        """All-reduce every bucket in order, here or on the service thread (``finish``:
+        the fused update, without overlap)."""
+        if self._background is None:
+            for b in self.buckets:
+                self._reduce(b, self._prepare(b), finish)
+        else:
+            self._tracker.flush()
+            self._tracker.reset()
+            self._drain()
+
+    def join(self) -> Join:
+        """A context for uneven inputs (:mod:`algorithms.join`, DDP's ``Join``): inside
+        it, a worker that leaves the block answers the steps of the workers still in,
+        which average their gradients over themselves, until every worker has left;
+        then every worker takes the model, optimizer state and step count of the last
+        one in. Every worker enters it at the same step, before its backward pass::
+
+            with algo.join():
+                for x, y in my_batches:      # as many as this worker has
+                    ...backward...
+                    algo.step()              # or opt.step()
+
+        Raises:
+            ArgumentError: with compression or ``average_buffers=True`` (the workers
+                out of data would be counted in them).
+            RuntimeError: closed, already inside ``join()``, or a backward pass of
+                this step has launched buckets already.
+        """
+        if self.closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if self._joining is not None:
+            raise RuntimeError("join() inside join()")
+        if self.compression is not None:
+            raise ArgumentError("join() averages over the workers still in; compressed all-reduces cannot")
+        if self.buffer_averaging:
+            raise ArgumentError(
+                "join() with average_buffers=True: the buffers' average would count the workers out of "
+                "data; call average_buffers() after the join() block instead"
+            )
+        if self._background is not None and self._tracker.launched:
+            raise RuntimeError("enter join() before the backward pass: this step's buckets are in flight")
+        return Join(self)
+
+    def _join_starts(self, join: Join) -> None:
+        """From now on steps count the workers still in (:class:`~algorithms.join.Join`)."""
+        self._joining = join
+
+    def _joined(self) -> None:
+        """Every worker has joined, or the join() block was left by an exception."""
+        self._joining = None
+
+    def _shadow(self) -> None:
+        """Answer a step of the workers still in: zero gradients into the step's
+        all-reduces; no update (the joined worker takes the state of the last one in)."""
+        self.flat.zero_grad()
+        self.flat.point_grads(range(len(self.flat.sizes)))
+        self._reduce_buckets()
 
     def _drain(self) -> None:
         """Wait for every bucket in flight and count its bytes; re-raise the first failure."""
@@ -584,8 +685,8 @@ class AllReduceSGD(Algorithm):
             extra.update(self.local_momentum.state_dict())
         return {**super().state_dict(), **extra}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         if self.compression is not None:
             self.compression.load_state_dict(state)
         if self.local_momentum is not None:
@@ -620,3 +721,9 @@ class AllReduceSGD(Algorithm):
             self._comm.Free()
             self._comm = self.comm
         super().close()
+
+    @property
+    def bucket_algorithms(self) -> tuple[str, ...]:
+        """The old name of :attr:`bucket_collectives` (deprecated: a ``DeprecationWarning``)."""
+        renamed("AllReduceSGD", "the attribute bucket_algorithms", "bucket_collectives")
+        return self.bucket_collectives

@@ -81,10 +81,10 @@ set ``synchronous``); override :meth:`~Algorithm._configure`
 (local checks, returns the options every rank must agree on),
 :meth:`~Algorithm._start` (collective set-up), :meth:`~Algorithm.settle` and
 :meth:`~Algorithm.close` (threads, communicators), and
-:meth:`~Algorithm.state_dict` and :meth:`~Algorithm.load_state_dict` (state
+:meth:`~Algorithm.state_dict` and :meth:`~Algorithm._load_state` (state
 kept between steps) as needed; register the
 class in :data:`algorithms.ALGORITHMS`. Service threads that overlap
-communication with computation are :class:`algorithms.background.Background`.
+communication with computation are :class:`collectives.transport.background.Background`.
 """
 
 from __future__ import annotations
@@ -102,13 +102,30 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError, as_flat, validation
+from collectives.errors import renamed
 from collectives.topology.layout import RanksPerNode
 from collectives.transport import gpu
 from collectives.transport.buffers import DTYPE_CODES, dtype_code
 from collectives.transport.context import context
 from collectives.transport.p2p import bytes_sent
 
+from . import events
 from .flat import FlatParams, flatten
+
+
+class StateError(ValueError):
+    """A state that does not fit on some workers, raised on every worker by
+    :meth:`Algorithm.load_state_dict`.
+
+    Attributes:
+        problems: what did not fit, by the rank of each worker whose state failed.
+    """
+
+    def __init__(self, problems: dict[int, str]) -> None:
+        self.problems = problems
+        super().__init__(
+            "load_state_dict: the state does not fit on " + "; ".join(f"rank {r}: {p}" for r, p in problems.items())
+        )
 
 
 class Algorithm(ABC):
@@ -143,9 +160,9 @@ class Algorithm(ABC):
     #: Whether every worker takes part in every step's communication, in step with the others
     #: (AllReduce-SGD, D-PSGD, LSGD); then a collective may join each step (``average_buffers``).
     synchronous: ClassVar[bool] = False
-    #: The all-reduce algorithm and layout of :meth:`average_buffers` (AllReduce-SGD and LSGD
-    #: set their own; "auto" calibrates the cost model on first use, once per communicator).
-    algorithm: str = collectives.DEFAULT_ALGORITHM
+    #: The all-reduce algorithm (collective) and layout of :meth:`average_buffers` (AllReduce-SGD
+    #: and LSGD set their own; "auto" calibrates the cost model on first use, once per communicator).
+    collective: str = collectives.DEFAULT_COLLECTIVE
     layout: RanksPerNode = None
 
     def __init__(
@@ -209,6 +226,12 @@ class Algorithm(ABC):
                 for p, _ in getattr(self.flat, "views", ())
                 if p.requires_grad
             ]
+
+    @property
+    def algorithm(self) -> str:
+        """The old name of :attr:`collective` (deprecated: a ``DeprecationWarning``)."""
+        renamed(type(self).__name__, "the attribute algorithm (the all-reduce algorithm)", "collective")
+        return self.collective
 
     @property
     def params(self) -> Any:
@@ -297,6 +320,26 @@ class Algorithm(ABC):
         back; the others communicate in :meth:`step` alone and need nothing from it."""
         yield
 
+    def join(self) -> Any:
+        """A context for workers with uneven numbers of batches (AllReduce-SGD's
+        :meth:`~algorithms.allreduce_sgd.AllReduceSGD.join`, :mod:`algorithms.join`).
+
+        Raises:
+            NotImplementedError: the others have none: D-PSGD, LSGD and GR-SGD
+                average models or group sums, in which a worker out of data cannot
+                be left out by contributing zeros; AD-PSGD and Prague (random or
+                smart groups) let workers take different numbers of steps without
+                it (:attr:`uneven_steps`).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no join(): only AllReduce-SGD averages over the workers still in "
+            + (
+                "(this algorithm lets workers take different numbers of steps: stop stepping, then settle())"
+                if self.uneven_steps
+                else "(this algorithm averages models or group sums, which a worker out of data cannot leave)"
+            )
+        )
+
     def average_buffers(self) -> None:
         """Average the model's float buffers (BatchNorm's running statistics: the state
         after the parameters, :mod:`algorithms.flat`) over the workers, in place, with
@@ -310,7 +353,7 @@ class Algorithm(ABC):
         if self.flat.has_buffers:
             with self._communicating():
                 buffers = self.flat.state[self.flat.size :]
-                collectives.allreduce(buffers, self.comm, "avg", self.algorithm, validate=False, layout=self.layout)
+                collectives.allreduce(buffers, self.comm, "avg", self.collective, validate=False, layout=self.layout)
 
     def settle(self) -> None:
         """Finish the communication that changes parameters in flight (collective):
@@ -339,7 +382,32 @@ class Algorithm(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``, a :meth:`state_dict` of this configuration, before
-        the first step (local; on every worker before any worker steps on).
+        the first step; the worker's model (and optimizer) state loaded first.
+
+        Collective: it returns once every worker has loaded its state, so that no
+        worker's first step reaches one still loading (an asynchronous algorithm's
+        service thread answers the other workers at any time; the group generator's
+        state must be in place before the first request).
+
+        Raises:
+            StateError: on every worker where some worker's state does not fit (a
+                missing key, an array of the wrong length, a value of the wrong
+                type), naming those workers and their problems. A worker whose state
+                failed may hold part of it: load another state or close the algorithm.
+        """
+        problem: Exception | None = None
+        try:
+            self._load_state(state)
+        except (KeyError, ValueError, TypeError) as exc:
+            problem = exc
+        text = None if problem is None else f"lacks {problem}" if isinstance(problem, KeyError) else str(problem)
+        problems = {rank: p for rank, p in enumerate(context(self.comm).comm.allgather(text)) if p is not None}
+        if problems:
+            raise StateError(problems) from problem
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """Load this worker's part of :meth:`load_state_dict` (local): subclasses load their
+        own state after the base class's counters.
 
         Raises:
             ValueError: an array of the wrong length, or state this worker cannot use.
@@ -433,14 +501,20 @@ class Algorithm(ABC):
         self._synchronized = False
 
     @contextmanager
-    def _communicating(self) -> Iterator[None]:
-        """Count the time and the bytes this thread spends in the enclosed communication."""
+    def _communicating(self, name: str = "communicate", category: str = events.COMMUNICATION) -> Iterator[None]:
+        """Count the time and the bytes this thread spends in the enclosed communication
+        (or waiting for it: ``category`` :data:`~algorithms.events.WAIT`); a recorded
+        timeline (:mod:`algorithms.events`) gets it as a span ``name`` of this step."""
         t0, b0 = time.perf_counter(), bytes_sent()
         try:
             yield
         finally:
-            self.comm_wait_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.comm_wait_s += t1 - t0
             self.bytes_sent += bytes_sent() - b0
+            recorder = events.active
+            if recorder is not None:
+                recorder.add(name, category, t0, t1, step=self.iterations)
 
 
 def _grad_scaler_stepping() -> bool:

@@ -188,12 +188,12 @@ class CompressedSlices:
             for k, (a, b) in enumerate(self.bounds)
         ]
 
-    def allreduce(self, k: int, buf: Any, comm: MPI.Comm, op: str, algorithm: str) -> Any:
+    def allreduce(self, k: int, buf: Any, comm: MPI.Comm, op: str, collective: str) -> Any:
         """Aggregate ``buf``, slice ``k`` of the buffer (or a buffer like it), compressed
         with error feedback, in place: ``buf`` ends bitwise identical on all ranks of
         ``comm`` (:meth:`ErrorFeedback.allreduce`); ``algorithm`` is the all-reduce of
         the linear compressors."""
-        return self.feedback[k].allreduce(buf, comm, op, algorithm=algorithm)
+        return self.feedback[k].allreduce(buf, comm, op, collective=collective)
 
     def respec(self, k: int, spec: str, layout: Layout) -> None:
         """Compress slice ``k`` from now on with the compressor ``spec`` names (for the

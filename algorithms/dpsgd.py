@@ -2,7 +2,7 @@
 
 Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?
 A Case Study for Decentralized Parallel Stochastic Gradient Descent",
-NeurIPS 2017; seed 001, section 4.3. With W a symmetric doubly stochastic
+NeurIPS 2017. With W a symmetric doubly stochastic
 mixing matrix over the graph (:mod:`algorithms.topology`), each step on worker i:
 
 1. g_i = grad f_i(x_i), the local gradient at the worker's *current* model
@@ -33,7 +33,7 @@ averaging and gradient both read x(t), so the averaging need not wait for
 the gradient. The first forward pass of a step (a forward pre-hook on the
 model; passes without gradients, such as evaluations under
 ``torch.no_grad()``, don't count) starts it on a service thread
-(:class:`~algorithms.background.Background`, over a private duplicate of the
+(:class:`~collectives.transport.background.Background`, over a private duplicate of the
 communicator): x(t) is sent to the neighbors as it is (forward and backward
 only read it) and the mix is formed in a separate buffer
 (``neighbor_allreduce(..., out=)``) while the caller computes g_i.
@@ -90,9 +90,10 @@ from mpi4py import MPI
 
 from collectives import ArgumentError, Compressor, neighbor_allreduce, neighbor_exchange
 from collectives.transport import gpu, threads
+from collectives.transport.background import Background
 from collectives.transport.context import context
 
-from .background import Background, spare_cores
+from .background import spare_cores
 from .base import Algorithm
 from .compressed import compressor_for, consensus_step, host_copy, load_into, require, resolve, variance_factor
 from .error_feedback import zeros_like
@@ -288,8 +289,8 @@ class DPSGD(Algorithm):
             return super().state_dict()
         return {**super().state_dict(), "public": host_copy(self._public), "mixed": host_copy(self._mixed)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         if self.compressor is not None:
             require(state, ("public", "mixed"), "CHOCO-SGD's copies x^ and s; an uncompressed D-PSGD keeps none")
             load_into(self._public, state["public"], "public")

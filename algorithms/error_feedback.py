@@ -45,7 +45,7 @@ can be switched on or off.
 Reference: Seide et al., Interspeech 2014 (1-bit SGD with error
 feedback); Karimireddy, Rebjock, Stich & Jaggi, ICML 2019 (EF-SGD); Stich,
 Cordonnier & Jaggi, NeurIPS 2018 (memory); Zheng, Huang & Kwok, NeurIPS
-2019 (seed 001's [51]).
+2019.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class ErrorFeedback:
         op: str = "avg",
         *,
         offset: int = 0,
-        algorithm: str = collectives.DEFAULT_ALGORITHM,
+        collective: str = collectives.DEFAULT_COLLECTIVE,
         validate: bool | None = False,
     ) -> Any:
         """Aggregate ``buf`` compressed, with error feedback, in place, and return it.
@@ -117,17 +117,17 @@ class ErrorFeedback:
         defaults to off: a training step's arguments are the same every step.
         """
         if self._flat is None:
-            return self.compressor.allreduce(buf, comm, op, algorithm=algorithm, validate=validate)
+            return self.compressor.allreduce(buf, comm, op, collective=collective, validate=validate)
         flat = as_flat(buf)
         memory = self._slice(self.residual, offset, flat.size)
         server = None if self.server is None else self._slice(self.server, offset, flat.size)
-        self.compressor.check(buf, comm, op, residual=memory, server=server, algorithm=algorithm, validate=validate)
+        self.compressor.check(buf, comm, op, residual=memory, server=server, collective=collective, validate=validate)
         reduction("sum", flat.dtype, array_module(flat.data)).combine(flat.data, as_flat(memory).data)
         if self._any_rank(comm, not finite(flat)):
             _fill_nan(flat)
             return buf
         return self.compressor.allreduce(
-            buf, comm, op, residual=memory, server=server, algorithm=algorithm, validate=False
+            buf, comm, op, residual=memory, server=server, collective=collective, validate=False
         )
 
     def reset(self) -> None:

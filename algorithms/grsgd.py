@@ -1,6 +1,6 @@
 """GR-SGD: gossip on a ring without a global barrier, each worker's lead bounded.
 
-After Zhou et al.'s Gossip Ring SGD (seed 001, section 4.3: ring all-reduce
+After Zhou et al.'s Gossip Ring SGD (ring all-reduce
 combined with gossip, the number of exchanges between neighbors controlled so
 that a slow worker does not stall the ring). Workers sit on a ring; each
 averages with its two ring neighbors by *exchanges* that need neither a
@@ -195,8 +195,8 @@ class GRSGD(Algorithm):
             raise RuntimeError("GR-SGD state_dict() with an exchange in flight: call settle() first")
         return {**super().state_dict(), "exchanges": [edge.done for edge in self._edges.values()]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         counts = [int(c) for c in state["exchanges"]]
         if len(counts) != len(self._edges):
             raise ValueError(f"exchanges holds counts for {len(counts)} neighbors, this worker has {len(self._edges)}")

@@ -6,8 +6,8 @@ compressor and error feedback that order fails: the residual comes back in
 bursts, and momentum 0.9 after the aggregation sums ten steps of them
 (measured: sign with error feedback diverged on Fashion-MNIST at lr 0.05,
 momentum 0.9, and trained within a point of uncompressed at momentum 0;
-``docs/performance.rst``). Zheng, Huang & Kwok (NeurIPS 2019, seed 001's
-[51]) compress the momentum-updated step instead. Here, per worker i and
+``docs/performance.rst``). Zheng, Huang & Kwok (NeurIPS
+2019) compress the momentum-updated step instead. Here, per worker i and
 parameter, with torch's SGD rule (momentum beta, dampening, Nesterov, weight
 decay wd of the parameter's group):
 

@@ -2,7 +2,7 @@
 
 Yu, Flynn, Yoo & D'Imperio, "Layered SGD: A Decentralized and Synchronous
 SGD Algorithm for Scalable Deep Neural Network Training", arXiv:1906.05936,
-2019; seed 001, section 4.3. Workers are grouped by node
+2019. Workers are grouped by node
 (:func:`collectives.topology.layout.layout`: ``comm.Split_type(COMM_TYPE_SHARED)``,
 overridden by ``layout=`` or ``MPIDL_RANKS_PER_NODE`` to emulate nodes); each
 group's lowest rank is its representative (the paper's "communicator"). The
@@ -92,15 +92,16 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError, reduction
+from collectives.errors import renamed_keyword
 from collectives.kernels.reduce_broadcast import broadcast, reduce
 from collectives.topology.hierarchy import node_comms
 from collectives.topology.layout import RanksPerNode
 from collectives.topology.layout import layout as node_layout
 from collectives.transport import gpu, threads
+from collectives.transport.background import Background
 from collectives.transport.buffers import array_module
 from collectives.transport.context import context
 
-from .background import Background
 from .base import Algorithm
 from .compressed import CompressedSlices, resolve
 
@@ -113,14 +114,15 @@ class LSGD(Algorithm):
         layout: the groups, as ranks per node: one number (groups of that many
             consecutive ranks) or group sizes such as "3,1"; None detects the
             nodes or reads ``MPIDL_RANKS_PER_NODE``.
-        algorithm: the all-reduce algorithm among the representatives (and of
+        collective: the all-reduce algorithm among the representatives (and of
             the whole gradient when there is one group): a key of
-            :data:`collectives.ALGORITHMS`; "auto" is resolved at construction.
+            :data:`collectives.COLLECTIVES`; "auto" is resolved at construction.
         compression: None (or "none"), or a compressor spec "NAME[:PARAM][@AGGREGATION]" of
             :data:`collectives.COMPRESSORS` for the inter-group all-reduce.
         error_feedback: keep the representatives' compression residual for
             their next sum (None: the compressor's default).
         seed: seeds the compressor's random numbers.
+        algorithm: the old name of ``collective`` (deprecated).
 
     Attributes:
         groups: the number of groups; group_size: this worker's group's size;
@@ -139,13 +141,17 @@ class LSGD(Algorithm):
         comm: MPI.Comm | None = None,
         *,
         layout: RanksPerNode = None,
-        algorithm: str = collectives.DEFAULT_ALGORITHM,
+        collective: str = collectives.DEFAULT_COLLECTIVE,
         compression: str | None = None,
         error_feedback: bool | None = None,
         seed: int = 0,
+        algorithm: str | None = None,
         **common: Any,
     ) -> None:
-        self.layout, self.algorithm = layout, algorithm
+        self.layout = layout
+        self.collective = renamed_keyword(
+            "LSGD", "algorithm", "collective", algorithm, collective, collectives.DEFAULT_COLLECTIVE
+        )
         self.compression_arg, self.error_feedback_arg, self.seed = compression, error_feedback, seed
         self.compression: CompressedSlices | None = None
         self._background: Background | None = None
@@ -154,16 +160,15 @@ class LSGD(Algorithm):
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
-        if self.algorithm not in collectives.ALGORITHMS:
+        if self.collective not in collectives.COLLECTIVES:
             raise ArgumentError(
-                f"unknown all-reduce algorithm {self.algorithm!r}; "
-                f"valid algorithms: {', '.join(collectives.ALGORITHMS)}"
+                f"unknown collective {self.collective!r}; valid collectives: {', '.join(collectives.COLLECTIVES)}"
             )
         threads.require_multiple("LSGD runs the inter-group all-reduce on a service thread")
         if self.layout is not None:
             node_layout(self.comm, self.layout)  # parses the override: local
         self._compression = resolve(self.compression_arg, self.error_feedback_arg, self.flat.layout())
-        return (self.layout, self.algorithm, self._compression, self.seed if self._compression else None)
+        return (self.layout, self.collective, self._compression, self.seed if self._compression else None)
 
     def _start(self) -> None:
         lay = node_layout(self.comm, self.layout)  # collective when detecting
@@ -192,8 +197,8 @@ class LSGD(Algorithm):
     def _resolve(self, comm: MPI.Comm) -> None:
         """Make "auto" choose (and calibrate, for the model's memory) now, not inside a
         step, where its time and messages would count as the step's."""
-        if self.algorithm == "auto":
-            collectives.explain(self.flat.nbytes, comm, device=self.flat.memory)
+        if self.collective == "auto":
+            collectives.explain(self.flat.nbytes, comm, device=self.flat.memory, dtype=self.flat.dtype, op="avg")
 
     def _step(self) -> None:
         self._synchronize()
@@ -202,7 +207,7 @@ class LSGD(Algorithm):
     def _synchronize(self) -> None:
         if self.groups == 1:
             with self._communicating():
-                collectives.allreduce(self.flat.grads, self._group, "avg", self.algorithm, validate=False)
+                collectives.allreduce(self.flat.grads, self._group, "avg", self.collective, validate=False)
             return
         g, apply = self.flat.grad_data, self._delayed
         with self._communicating():
@@ -215,11 +220,11 @@ class LSGD(Algorithm):
                 fresh.data[:] = g
                 if self.compression is None:
                     self._background.submit(
-                        collectives.allreduce, fresh.owner, self._leaders, "sum", self.algorithm, validate=False
+                        collectives.allreduce, fresh.owner, self._leaders, "sum", self.collective, validate=False
                     )
                 else:
                     self._background.submit(
-                        self.compression.allreduce, 0, fresh.owner, self._leaders, "sum", self.algorithm
+                        self.compression.allreduce, 0, fresh.owner, self._leaders, "sum", self.collective
                     )
                 if apply:
                     g[:] = last.data
@@ -265,8 +270,8 @@ class LSGD(Algorithm):
         memory = self.compression.state_dict() if self.compression is not None else {}
         return {"representative": self.representative, **memory}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         if self.compression is not None:
             if state.get("representative", True):
                 self.compression.load_state_dict(state)

@@ -18,6 +18,8 @@ e.g. by a schedule.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -80,6 +82,34 @@ class SGD:
     def zero_grad(self) -> None:
         """Set :attr:`grad` to zero."""
         self.grad.fill(0)
+
+    #: The hyper-parameters, as :meth:`state_dict` names them.
+    SETTINGS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The hyper-parameters and the momentum buffer (a copy; None before the first
+        step with momentum), as torch's optimizers give theirs: e.g. for
+        :func:`algorithms.broadcast_optimizer_state`."""
+        buffer = self._buf.copy() if self._started and self.momentum else None
+        return {**{name: getattr(self, name) for name in self.SETTINGS}, "momentum_buffer": buffer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` of an SGD over an array of this size.
+
+        Raises:
+            ValueError: a momentum buffer of another size, or a missing entry.
+        """
+        missing = [name for name in (*self.SETTINGS, "momentum_buffer") if name not in state]
+        if missing:
+            raise ValueError(f"SGD state without {', '.join(missing)}")
+        buffer = state["momentum_buffer"]
+        if buffer is not None and np.shape(buffer) != self._buf.shape:
+            raise ValueError(f"momentum buffer of shape {np.shape(buffer)}, the parameters' is {self._buf.shape}")
+        for name in self.SETTINGS:
+            setattr(self, name, state[name])
+        self._started = buffer is not None
+        if buffer is not None:
+            np.copyto(self._buf, buffer)
 
     def __repr__(self) -> str:
         return (

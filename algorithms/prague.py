@@ -1,7 +1,7 @@
 """Prague: local SGD steps, then a partial all-reduce (P-Reduce) with a group from the group generator.
 
 Luo, He, Zhuo & Qian, "Prague: High-Performance Heterogeneity-Aware
-Asynchronous Decentralized Training", ASPLOS 2020; seed 001, section 5.1. A
+Asynchronous Decentralized Training", ASPLOS 2020. A
 step of worker i:
 
 1. apply the local optimizer with the caller's gradient;
@@ -50,6 +50,7 @@ from typing import Any
 from mpi4py import MPI
 
 from collectives import ArgumentError, PReduce, PReduceStats
+from collectives.errors import renamed_keyword
 from collectives.partial.preduce import check_options
 
 from .base import Algorithm
@@ -66,7 +67,8 @@ class Prague(Algorithm):
         period: static only: averagings a partition is kept before it rotates.
         cross_every: aware only: every how many averagings a worker crosses nodes.
         seed: seed of the group generator's draws / the static schedule.
-        algorithm: the all-reduce run within a group (:data:`collectives.GROUP_KERNELS`).
+        collective: the all-reduce run within a group (:data:`collectives.GROUP_KERNELS`).
+        algorithm: the old name of ``collective`` (deprecated).
 
     Attributes:
         preduce: the :class:`collectives.PReduce` on the flat parameters.
@@ -86,7 +88,8 @@ class Prague(Algorithm):
         period: int = 1,
         cross_every: int = 2,
         seed: int = 0,
-        algorithm: str = "ring",
+        collective: str = "ring",
+        algorithm: str | None = None,
         **common: Any,
     ) -> None:
         self.options: dict[str, Any] = {
@@ -95,7 +98,7 @@ class Prague(Algorithm):
             "period": period,
             "cross_every": cross_every,
             "seed": seed,
-            "algorithm": algorithm,
+            "collective": renamed_keyword("Prague", "algorithm", "collective", algorithm, collective, "ring"),
         }
         self.local_steps = local_steps
         super().__init__(model, optimizer, comm, **common)
@@ -137,8 +140,8 @@ class Prague(Algorithm):
         :meth:`collectives.PReduce.state_dict`)."""
         return {**super().state_dict(), "preduce": self.preduce.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_state(self, state: dict[str, Any]) -> None:
+        super()._load_state(state)
         self.preduce.load_state_dict(state["preduce"])
 
     def close(self) -> None:

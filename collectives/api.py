@@ -1,4 +1,4 @@
-"""The all-reduce entry point, the registry of algorithms, and ``auto``.
+"""The all-reduce entry point, the registry of its algorithms (collectives), and ``auto``.
 
 A call's arguments (communicator, algorithm, op, dtype, length, memory,
 options, validation) are resolved once into a :class:`_Call` — the
@@ -25,15 +25,15 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
 from . import validation
-from .errors import ArgumentError
-from .kernels import reduce_broadcast, shm
-from .kernels.plans import PLANNERS, Planner, Request, Run, Shm
+from .errors import ArgumentError, renamed_keyword
+from .kernels import native, reduce_broadcast, shm
+from .kernels.plans import PLANNERS, Request, Run, Shm
 from .topology import hierarchy
 from .topology.layout import Layout, RanksPerNode
 from .topology.layout import layout as node_layout
@@ -42,39 +42,63 @@ from .transport.buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, d
 from .transport.context import Context, context
 from .transport.ops import OPS, Reduction, reduction
 from .tuning import calibration, costmodel
+from .tuning.online import Session
+from .tuning.selector import Selector
 
 log = logging.getLogger("collectives.auto")
 
 
 class _Auto:
-    """The "auto" plan: per buffer size (and memory), the algorithm the cost model predicts fastest."""
+    """The "auto" plan: per size, memory and dtype, the algorithm measured fastest on this
+    communicator (:mod:`collectives.tuning.selector`: calibration where the sizes are,
+    the persisted cache, online tuning), or with ``MPIDL_COSTMODEL`` the cost model's."""
 
     def __init__(self, req: Request) -> None:
-        self.req = req
-        self.layout = node_layout(req.comm, req.layout)
-        self.runs = {name: PLANNERS[name](req) for name in _candidates(req.ctx, self.layout, np)}
-        self.chosen: dict[tuple[int, Any, bool], str] = {}
+        comm, lay = req.comm, node_layout(req.comm, req.layout)
+        self.selector = Selector(req, lay, lambda xp: _params(comm, lay, req.ctx, xp))
+        self.chosen: dict[tuple[int, Any, bool, bool], str] = {}
+        self.tuning: dict[tuple[int, Any, bool, bool], Session] = {}
 
-    def algorithm_for(self, nbytes: int, xp: Any = np, validate: bool = False) -> str:
-        """The algorithm run for ``nbytes`` of ``xp`` memory, with or without the
-        argument check (chosen once per case, logged at DEBUG; collective on the
-        first use of a kind of memory: it calibrates that memory's cost model,
-        and only that one)."""
-        name = self.chosen.get((nbytes, xp, validate))
+    def decided(self, x: Any, red: Reduction, validate: bool) -> bool:
+        """Whether the algorithm for ``x`` (size, memory, dtype) is chosen already (local)."""
+        return _key(x, red, validate) in self.chosen
+
+    def resolve(self, x: Any, red: Reduction, validate: bool) -> tuple[str | None, Run]:
+        """The algorithm for ``x`` and its plan, chosen once per case (logged at DEBUG);
+        while the size band is tuned online, (None, the tuning) runs the call instead.
+        Collective where it measures, loads or tunes (:class:`Selector`)."""
+        key = _key(x, red, validate)
+        name = self.chosen.get(key)
         if name is None:
-            choice = _choose(self.req.ctx, self.req.comm, self.layout, nbytes, self.req.grid, xp, validate)
+            session = self.tuning.get(key)
+            if session is not None:
+                if session.result is None:
+                    return None, session
+                del self.tuning[key]
+            _, xp, _, dtype_ok = key
+            choice = self.selector.choose(x.nbytes, xp, validate, dtype_ok)
             log.debug("%s", choice.reason)
-            name = self.chosen[nbytes, xp, validate] = choice.algorithm
-        return name
+            session = self.selector.session(choice, xp, dtype_ok)
+            if session is not None and not session.deterministic:
+                self.tuning[key] = session
+                return None, session
+            if session is not None:
+                session.rehearse(x, red)
+                choice = self.selector.choose(x.nbytes, xp, validate, dtype_ok)
+                log.debug("%s", choice.reason)
+            name = self.chosen[key] = choice.algorithm
+        return name, self.selector.runs[name]
 
-    def __call__(self, x: Any, red: Reduction) -> None:
-        self.runs[self.algorithm_for(x.nbytes, _memory(x))](x, red)
+    def free(self) -> None:
+        """Persist what was measured and tuned (:meth:`Selector.save`)."""
+        self.selector.save()
 
 
-#: Registered all-reduce algorithms: name -> planner.
-ALGORITHMS: dict[str, Planner] = {**PLANNERS, "auto": _Auto}
+#: Registered all-reduce algorithms (``collective=`` of the entry points): name -> planner.
+COLLECTIVES: dict[str, Callable[[Request], Any]] = {**PLANNERS, "auto": _Auto}
 
-DEFAULT_ALGORITHM = "auto"
+DEFAULT_COLLECTIVE = "auto"
+_FIELDS = ("length", "dtype", "op", "collective", "options")  # the all-reduce's signature, for its errors
 _WORLD = MPI.COMM_WORLD
 _CALLS = 512  # resolved calls kept per communicator
 
@@ -116,9 +140,11 @@ class _Call:
         grid: tuple[int, int] | None,
         validate: bool,
     ) -> None:
-        if algorithm not in ALGORITHMS:
-            raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+        if algorithm not in COLLECTIVES:
+            raise ArgumentError(f"unknown collective {algorithm!r}; valid collectives: {', '.join(COLLECTIVES)}")
         self.red = reduction(op, flat.dtype, array_module(flat.data))
+        if algorithm == "mpi" and native.unsupported(flat.dtype, op):
+            raise ArgumentError(str(native.unsupported(flat.dtype, op)))
         if layout is not None:
             node_layout(comm, layout)  # an override is parsed locally: no communication
         if grid is not None:
@@ -126,11 +152,11 @@ class _Call:
         options = 0 if layout is None and grid is None else validation.code(repr((layout, grid)))
         self.ctx, self.algorithm, self.validate = ctx, algorithm, validate
         self.request = Request(comm, ctx, layout, grid)
-        self.plan = ("plan", algorithm, repr((layout, grid)))  # the plan's key in ctx.cache
+        self.plan = _plan_key(algorithm, layout, grid)
         self.signature = (flat.size, dtype_code(flat), validation.code(op), validation.code(algorithm), options)
         self.header = validation.header(None, self.signature)
         self.agreed = self.header * ctx.size  # every rank's header when all agree
-        self.operation = f"allreduce(algorithm={algorithm!r})"
+        self.operation = f"allreduce(collective={algorithm!r})"
         self.average = op == "avg"
         self.run: Run | None = None
         self.carrier: shm.Segment | None = None
@@ -147,7 +173,7 @@ class _Call:
         elif (
             not self.validate
             or not validation.check(
-                self.ctx, "allreduce", None, self.signature, _field_names, x if self.fuse else None, red
+                self.ctx, "allreduce", None, self.signature, _field_names, x if self.fuse else None, red, _FIELDS
             )
         ) and x.shape[0]:  # the data moves unless the check already carried it
             if type(x) is not np.ndarray:
@@ -160,7 +186,7 @@ class _Call:
         """The check riding in the shared segment: every rank's header against this one."""
         headers = seg.headers()
         if headers != self.agreed:
-            validation.verify(self.ctx, "allreduce", None, self.signature, _field_names, headers)
+            validation.verify(self.ctx, "allreduce", None, self.signature, _field_names, headers, _FIELDS)
 
     def find(self, x: Any) -> None:
         """Bind locally (no communication) if the plan, and for "auto" the algorithm
@@ -172,7 +198,7 @@ class _Call:
         whatever resolved calls each rank has kept (:data:`_CALLS`).
         """
         plan = self.ctx.cache.get(self.plan)
-        if plan is not None and (not isinstance(plan, _Auto) or (x.nbytes, _memory(x), self.validate) in plan.chosen):
+        if plan is not None and (not isinstance(plan, _Auto) or plan.decided(x, self.red, self.validate)):
             self.bind(x)
 
     def bind(self, x: Any) -> Run:
@@ -180,12 +206,14 @@ class _Call:
         ctx = self.ctx
         plan = ctx.cache.get(self.plan)
         if plan is None:
-            plan = ctx.cache[self.plan] = ALGORITHMS[self.algorithm](self.request)
+            plan = ctx.cache[self.plan] = COLLECTIVES[self.algorithm](self.request)
         name, run = self.algorithm, plan
         if isinstance(plan, _Auto):
-            name = plan.algorithm_for(x.nbytes, _memory(x), self.validate)
-            run = plan.runs[name]
-            self.operation = f"allreduce(algorithm='auto': {name!r})"  # what the stall inspector names
+            chosen, run = plan.resolve(x, self.red, self.validate)
+            if chosen is None:  # tuned online: this call runs a candidate, and stays unbound
+                return run
+            name = chosen
+            self.operation = f"allreduce(collective='auto': {name!r})"  # what the stall inspector names
             p2p.operation(self.operation)
         if self.validate and type(x) is np.ndarray and ctx.size > 1:
             self.carrier = run.carrier(ctx) if isinstance(run, Shm) else None
@@ -198,11 +226,12 @@ def allreduce(
     buf: Any,
     comm: MPI.Comm | None = None,
     op: str = "sum",
-    algorithm: str = DEFAULT_ALGORITHM,
+    collective: str = DEFAULT_COLLECTIVE,
     *,
     validate: bool | None = None,
     layout: RanksPerNode = None,
     grid: tuple[int, int] | None = None,
+    algorithm: str | None = None,
 ) -> Any:
     """Reduce ``buf`` element-wise across all ranks of ``comm``, in place, and return it.
 
@@ -214,10 +243,10 @@ def allreduce(
             the reduction over all ranks; every rank ends with
             bitwise-identical contents.
         comm: the communicator (default ``MPI.COMM_WORLD``). Every rank of it
-            must call with the same length, dtype, op, algorithm and options.
+            must call with the same length, dtype, op, collective and options.
         op: one of "sum", "avg", "min", "max", "prod" ("avg" needs floats).
-        algorithm: a name in :data:`ALGORITHMS`; "auto" picks by the cost
-            model (:func:`explain` says what and why).
+        collective: the all-reduce algorithm, a name in :data:`COLLECTIVES`;
+            "auto" picks by the cost model (:func:`explain` says what and why).
         validate: check arguments for agreement across ranks first (a header
             exchange, through shared memory where all ranks share a node).
             None uses the default (on unless ``MPIDL_VALIDATE=0``).
@@ -225,6 +254,8 @@ def allreduce(
             algorithms and "auto": one number or node sizes ("3,1").
         grid: (X, Y) for "torus2d", X * Y == number of ranks; default from
             the layout (ranks per node x nodes).
+        algorithm: the old name of ``collective`` (deprecated: a
+            ``DeprecationWarning``; removed in the next release).
 
     Returns:
         ``buf`` itself.
@@ -233,6 +264,7 @@ def allreduce(
         ArgumentError: invalid or disagreeing arguments; with validation on,
             raised on every rank before any data moved (``buf`` untouched).
     """
+    collective = renamed_keyword("allreduce", "algorithm", "collective", algorithm, collective, DEFAULT_COLLECTIVE)
     user = _WORLD if comm is None else comm
     ctx = context(user)
     check = validation.enabled(validate)
@@ -241,7 +273,7 @@ def allreduce(
             x, dtype = host_view(buf)
         else:
             x, dtype, _ = as_flat(buf)
-        key: Hashable = (algorithm, op, dtype, x.nbytes, type(x), check, layout, grid)
+        key: Hashable = (collective, op, dtype, x.nbytes, type(x), check, layout, grid)
         try:
             call = ctx.calls.get(key)
         except TypeError:  # an unhashable layout or grid (a list): key by its text
@@ -250,40 +282,54 @@ def allreduce(
         if call is None:
             if len(ctx.calls) >= _CALLS:
                 ctx.calls.clear()
-            call = ctx.calls[key] = _Call(ctx, user, algorithm, op, FlatBuffer(x, dtype, buf), layout, grid, check)
+            call = ctx.calls[key] = _Call(ctx, user, collective, op, FlatBuffer(x, dtype, buf), layout, grid, check)
     except ArgumentError as problem:
-        p2p.operation(f"allreduce({algorithm!r})")
+        p2p.operation(f"allreduce({collective!r})")
         if check:
-            validation.check(ctx, "allreduce", problem, (), _field_names)
+            validation.check(ctx, "allreduce", problem, (), _field_names, fields=_FIELDS)
         raise
     p2p.operation(call.operation)
     call(x)
     return buf
 
 
-def broadcast(buf: Any, comm: MPI.Comm | None = None, *, validate: bool | None = None) -> Any:
-    """Copy rank 0's ``buf`` into ``buf`` on every rank of ``comm``, in place, and return it.
+def broadcast(buf: Any, comm: MPI.Comm | None = None, *, root: int = 0, validate: bool | None = None) -> Any:
+    """Copy rank ``root``'s ``buf`` into ``buf`` on every rank of ``comm``, in place, and return it.
 
     A binomial tree (:func:`collectives.kernels.reduce_broadcast.broadcast`):
     ceil(lg p) (alpha + n beta). Buffers and validation as for
-    :func:`allreduce` (same length and dtype on every rank).
+    :func:`allreduce`: the same length, dtype and ``root`` on every rank, else
+    an ArgumentError on every rank before any data moved (a ``root`` outside
+    ``comm`` too).
     """
     ctx = context(_WORLD if comm is None else comm)
     p2p.operation("broadcast")
+    flat, problem = None, None
     try:
-        flat, problem = as_flat(buf), None
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < ctx.size:
+            raise ArgumentError(f"broadcast: root {root!r} is not a rank of the communicator's {ctx.size}")
+        flat = as_flat(buf)
     except ArgumentError as exc:
         flat, problem = None, exc
     if validation.enabled(validate):
-        signature = (0,) * 5 if flat is None else (flat.size, dtype_code(flat), 0, validation.code("broadcast"), 0)
-        validation.check(ctx, "broadcast", problem, signature, _field_names)
+        signature = (0,) * 5 if flat is None else (flat.size, dtype_code(flat), int(root), _BROADCAST, 0)
+        validation.check(ctx, "broadcast", problem, signature, _broadcast_field_names, fields=_BROADCAST_FIELDS)
     if flat is None:  # unchecked (a check raised already)
         raise problem or ArgumentError("broadcast: no buffer")
     if type(flat.data) is not np.ndarray:
         gpu.ensure(ctx.comm, flat)
     if flat.size:
-        reduce_broadcast.broadcast(flat.data, ctx.comm)
+        reduce_broadcast.broadcast(flat.data, ctx.comm, int(root))
     return buf
+
+
+_BROADCAST = validation.code("broadcast")  # tells a broadcast from another collective in the check
+_BROADCAST_FIELDS = ("length", "dtype", "root", "operation", "options")  # the broadcast's signature, for its errors
+
+
+def _broadcast_field_names() -> tuple[dict[int, str], ...]:
+    """Readable names of the broadcast's signature codes, for error messages."""
+    return ({}, DTYPE_CODES, {}, {_BROADCAST: "broadcast"})
 
 
 def explain(
@@ -294,26 +340,32 @@ def explain(
     grid: tuple[int, int] | None = None,
     device: str = "cpu",
     validate: bool | None = None,
+    dtype: str = "float32",
+    op: str = "sum",
 ) -> costmodel.Choice:
-    """What ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``comm`` (in
-    host memory, or GPU memory with ``device="cuda"``; with the argument check
-    as ``validate`` resolves, see :func:`allreduce`), every candidate's
-    predicted time, and the reason (collective on first use: it may calibrate
-    the cost model)."""
+    """What ``collective="auto"`` runs for a buffer of ``nbytes`` of ``dtype``, reduced
+    with ``op``, on ``comm`` (in host memory, or GPU memory with ``device="cuda"``; with the
+    argument check as ``validate`` resolves, see :func:`allreduce`), every
+    candidate's time (measured, or the cost model's prediction), least first,
+    where the choice comes from (``source``: the model, the calibration, online
+    tuning, either of those two cached) and the reason. Collective on the first
+    use of a communicator and of a size: it may load the cache and measure the
+    candidates at the grid sizes around ``nbytes``."""
     user = _WORLD if comm is None else comm
+    ctx = context(user)
+    node_layout(user, layout)  # an override is checked locally
+    if grid is not None:
+        hierarchy.check_grid(grid, ctx.size)
     xp = np if device == "cpu" else importlib.import_module("cupy")
-    return _choose(context(user), user, node_layout(user, layout), nbytes, grid, xp, validation.enabled(validate))
-
-
-def _choose(
-    ctx: Context, comm: MPI.Comm, lay: Layout, nbytes: int, grid: tuple[int, int] | None, xp: Any, validate: bool
-) -> costmodel.Choice:
-    """The cost model's choice for ``auto`` (collective on first use: it may calibrate)."""
-    return costmodel.choose(nbytes, lay, _params(comm, lay, ctx, xp), grid, _candidates(ctx, lay, xp), validate)
+    key = _plan_key("auto", layout, grid)
+    plan = ctx.cache.get(key)
+    if plan is None:
+        plan = ctx.cache[key] = _Auto(Request(user, ctx, layout, grid))
+    return plan.selector.choose(nbytes, xp, validation.enabled(validate), native.unsupported(dtype, op) is None)
 
 
 def cost_params(comm: MPI.Comm | None = None, *, layout: RanksPerNode = None, device: str = "cpu") -> costmodel.Params:
-    """The cost-model parameters ``algorithm="auto"`` uses on ``comm`` for host
+    """The cost-model parameters ``collective="auto"`` uses on ``comm`` for host
     (or, with ``device="cuda"``, GPU) buffers: loaded from ``MPIDL_COSTMODEL``,
     or calibrated on first use (collective) and cached on the communicator."""
     user = _WORLD if comm is None else comm
@@ -326,14 +378,18 @@ def _params(comm: MPI.Comm, lay: Layout, ctx: Context, xp: Any = np) -> costmode
     the entry point's own per-call overhead timed with an empty, unchecked all-reduce."""
     empty = np.zeros(0, np.float32)
     return calibration.params_for(
-        comm, lay, ctx.cache, xp, entry=lambda: allreduce(empty, comm, algorithm="ring", validate=False)
+        comm, lay, ctx.cache, xp, entry=lambda: allreduce(empty, comm, "sum", "ring", validate=False)
     )
 
 
-def _candidates(ctx: Context, lay: Layout, xp: Any) -> list[str]:
-    """The algorithms "auto" chooses from for ``xp`` memory on ``lay``: the
-    shared-memory one only for host memory on nodes that share memory."""
-    return [name for name in costmodel.MODELS if name != "shm" or (xp is np and shm.capable(ctx, lay))]
+def _plan_key(algorithm: str, layout: RanksPerNode, grid: tuple[int, int] | None) -> tuple[str, str, str]:
+    """The key of an algorithm's plan for these options in the context's cache."""
+    return ("plan", algorithm, repr((layout, grid)))
+
+
+def _key(x: Any, red: Reduction, validate: bool) -> tuple[int, Any, bool, bool]:
+    """What ``auto`` chooses by: size, memory, the check, whether MPI can reduce the dtype and op."""
+    return x.nbytes, _memory(x), validate, native.unsupported(red.dtype, red.op) is None
 
 
 def _memory(x: Any) -> Any:
@@ -343,4 +399,4 @@ def _memory(x: Any) -> Any:
 
 def _field_names() -> tuple[dict[int, str], ...]:
     """Readable names of the signature codes, for error messages."""
-    return ({}, DTYPE_CODES, {validation.code(op): op for op in OPS}, {validation.code(a): a for a in ALGORITHMS})
+    return ({}, DTYPE_CODES, {validation.code(op): op for op in OPS}, {validation.code(a): a for a in COLLECTIVES})

@@ -33,7 +33,9 @@ For the butterfly on small vectors (up to :data:`FUSE_LIMIT` bytes) on those
 communicators the data rides in the same messages, after the header, and is
 combined in scratch space; it is copied to the caller's buffer only if the
 final flag is clear. So the check costs no extra message there; elsewhere it
-costs lg p small exchanges before the algorithm runs.
+costs lg p small exchanges before the algorithm runs. On a thread whose waits
+poll (:func:`collectives.transport.p2p.poll_waits`) the exchanges poll too, as
+the shared-memory barrier does.
 
 Checking is on by default; pass ``validate=False``, call
 :func:`set_default`, or set ``MPIDL_VALIDATE=0`` before start-up to skip it,
@@ -110,6 +112,7 @@ def check(
     names: Callable[[], Sequence[dict[int, str]]] = tuple,
     data: Any = None,
     red: Reduction | None = None,
+    fields: Sequence[str] = FIELDS[1:],
 ) -> bool:
     """Raise the same ArgumentError on every rank unless all agree and none has a problem.
 
@@ -125,6 +128,8 @@ def check(
         data: optionally, a host 1-D array of at most FUSE_LIMIT bytes to
             all-reduce with ``red`` by recursive doubling in the same messages
             (every rank must pass one, of the same size).
+        fields: what the error message calls the signature's fields (default
+            FIELDS[1:]).
 
     Returns:
         True if ``data`` was given and now holds the reduction.
@@ -133,7 +138,7 @@ def check(
     if seg is not None:
         seg.post(header(problem, signature))
         seg.barrier()
-        verify(ctx, what, problem, signature, names, seg.headers())
+        verify(ctx, what, problem, signature, names, seg.headers(), fields)
         return False
     f = fold_of(ctx.rank, ctx.size)
     nbytes = 0 if data is None else data.nbytes
@@ -164,32 +169,51 @@ def check(
     blocked = p2p.watch(comm, f.peers + ((f.partner,) if f.partner is not None else ()))
     try:
         if f.partner is not None and f.newrank is None:  # folded out: hand over, wait for the result
-            comm.Send([out[:size], _BYTE], f.partner, _TAG)
-            comm.Recv([out, _BYTE], f.partner, _TAG, status)
+            _exchange(comm, out[:size], f.partner, None, status)
+            _exchange(comm, None, f.partner, out, status)
             flag, *fields = _HEADER.unpack_from(out)
             ref = tuple(fields)
             flag |= status.Get_count(_BYTE) != size
         else:
             if f.partner is not None:
-                comm.Recv([got, _BYTE], f.partner, _TAG, status)
+                _exchange(comm, None, f.partner, got, status)
                 merge(f.partner)
                 _HEADER.pack_into(out, 0, flag, *ref)
             for peer in f.peers:
-                comm.Sendrecv([out[:size], _BYTE], peer, _TAG, [got, _BYTE], peer, _TAG, status)
+                _exchange(comm, out[:size], peer, got, status)
                 merge(peer)
                 _HEADER.pack_into(out, 0, flag, *ref)
             if f.partner is not None:
-                comm.Send([out[:size], _BYTE], f.partner, _TAG)
+                _exchange(comm, out[:size], f.partner, None, status)
     finally:
         blocked.since = 0.0
     if flag:
-        _raise(ctx, what, problem, signature, names())
+        _raise(ctx, what, problem, signature, names(), fields)
     if nbytes:
         np.copyto(data, mine)
     return bool(nbytes)
 
 
 _U8_EMPTY = np.empty(0, np.uint8)
+
+
+def _exchange(comm: MPI.Comm, send: np.ndarray | None, peer: int, recv: np.ndarray | None, status: MPI.Status) -> None:
+    """Send ``send`` to and/or receive into ``recv`` from ``peer`` (``status``: the
+    receive's), blocking, or polled where this thread's waits poll
+    (:func:`~collectives.transport.p2p.poll_waits`)."""
+    if not p2p.polls():
+        if send is not None and recv is not None:
+            comm.Sendrecv([send, _BYTE], peer, _TAG, [recv, _BYTE], peer, _TAG, status)
+        elif send is not None:
+            comm.Send([send, _BYTE], peer, _TAG)
+        else:
+            comm.Recv([recv, _BYTE], peer, _TAG, status)
+        return
+    receiving = comm.Irecv([recv, _BYTE], peer, _TAG) if recv is not None else None
+    if send is not None:
+        p2p.complete(comm.Isend([send, _BYTE], peer, _TAG))
+    if receiving is not None:
+        p2p.complete(receiving, status)
 
 
 def header(problem: ArgumentError | None, signature: Sequence[int]) -> bytes:
@@ -204,11 +228,12 @@ def verify(
     signature: Sequence[int],
     names: Callable[[], Sequence[dict[int, str]]],
     headers: bytes,
+    fields: Sequence[str] = FIELDS[1:],
 ) -> None:
     """Raise the same ArgumentError on every rank unless ``headers`` (every rank's
     :func:`header`, in rank order) are all alike and flag no problem."""
     if headers != headers[:_H] * ctx.size or headers[:8] != _CLEAR:
-        _raise(ctx, what, problem, signature, names())
+        _raise(ctx, what, problem, signature, names(), fields)
 
 
 def _status(ctx: Context) -> MPI.Status:
@@ -219,7 +244,12 @@ def _status(ctx: Context) -> MPI.Status:
 
 
 def _raise(
-    ctx: Context, what: str, problem: ArgumentError | None, signature: Sequence[int], names: Sequence[dict[int, str]]
+    ctx: Context,
+    what: str,
+    problem: ArgumentError | None,
+    signature: Sequence[int],
+    names: Sequence[dict[int, str]],
+    fields: Sequence[str],
 ) -> None:
     """Gather everyone's signature and problem, then raise the error every rank raises alike."""
     rows = ctx.comm.allgather((str(problem), None) if problem is not None else (None, tuple(signature)))
@@ -237,7 +267,7 @@ def _raise(
         if (column != column[0]).any():
             lookup = names[f] if f < len(names) else {}
             values = ", ".join(f"rank {r}: {lookup.get(int(v), int(v))}" for r, v in enumerate(column))
-            diffs.append(f"{FIELDS[f + 1]} differs across ranks ({values})")
+            diffs.append(f"{fields[f]} differs across ranks ({values})")
     raise ArgumentError(f"{what}: ranks disagree: {'; '.join(diffs)} (no data moved)", _minority(table))
 
 

@@ -21,7 +21,7 @@ HOSTFILE=${HOSTFILE:-}          # empty: every rank on this machine
 LAUNCH_TIMEOUT=${LAUNCH_TIMEOUT:-1h}  # each launch is stopped after this (timeout(1) syntax); 0: never
 # bench
 SIZES=${SIZES:-4K,16K,64K,256K,1M,4M,16M,64M}
-ALGORITHMS=${ALGORITHMS:-all}
+COLLECTIVES=${COLLECTIVES:-${ALGORITHMS:-all}}  # all-reduce algorithms (ALGORITHMS: the old name, deprecated)
 DTYPE=${DTYPE:-float32}
 REPEAT=${REPEAT:-11}
 # train
@@ -43,8 +43,9 @@ mpidl_setup
 case $WHAT in
     info) mpidl_launch mpidl info ;;
     bench)
+        [[ -z ${ALGORITHMS:-} ]] || echo "ALGORITHMS is deprecated (removed in the next release): use COLLECTIVES" >&2
         mpidl_launch mpidl info
-        mpidl_launch mpidl bench --sizes "$SIZES" --algorithms "$ALGORITHMS" --dtype "$DTYPE" --repeat "$REPEAT" \
+        mpidl_launch mpidl bench --sizes "$SIZES" --collectives "$COLLECTIVES" --dtype "$DTYPE" --repeat "$REPEAT" \
             --json "$OUTDIR/bench.json" --csv "$OUTDIR/bench.csv"
         ;;
     train)

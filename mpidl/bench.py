@@ -11,10 +11,16 @@ the bandwidth lower bound 2(n-1)/n * size * beta (Patarasuk & Yuan; beta
 calibrated for the slowest link in use) divided by the time: 1 would be a
 perfect bandwidth-optimal algorithm with free reductions. "model" is the cost
 model's prediction (:mod:`collectives.tuning.costmodel`, with the argument check as
-the run has it); ``auto`` is listed with the algorithm it chose. After the
-table a summary gives, per size, auto's time over the best fixed
-algorithm's and native's over auto's, and at the smallest and largest sizes
-the cost model's order of the algorithms against the measured one.
+the run has it); ``auto`` is listed with the algorithm it chose and, in that
+column, the time its choice was based on. After the table a summary gives,
+per size, what auto ran and what chose it (the calibration, online tuning,
+either of them from the persisted cache, or the model), auto's time over the
+fastest of every other candidate (mpidl's fixed algorithms, "mpi" and the
+native variants) and native's over auto's, and at the smallest and largest
+sizes the cost model's order of the algorithms against the measured one.
+``auto`` measures and tunes during the warm-up and first repetitions like any
+program's first calls; ``MPIDL_TUNING_CACHE=0`` keeps it from using or
+leaving measurements of earlier runs.
 
 On ``--device cuda`` the run also measures the device reduction that every
 algorithm's combine step runs (CuPy's ufunc into its first operand) at the
@@ -81,6 +87,7 @@ class Result:
     vs_bound: float = 0.0
     predicted: float = 0.0
     chosen: str = ""
+    source: str = ""
 
 
 def parse_size(text: str) -> int:
@@ -104,7 +111,8 @@ def human(nbytes: int) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``mpidl bench`` options."""
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated message sizes (default {DEFAULT_SIZES})")
-    p.add_argument("--algorithms", default="all", help="comma-separated algorithm names, or 'all'")
+    p.add_argument("--collectives", default="all", help="comma-separated all-reduce algorithms (collectives), or 'all'")
+    p.add_argument("--algorithms", help=argparse.SUPPRESS)  # the old name of --collectives (deprecated)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "int32", "int64"])
     p.add_argument(
         "--device",
@@ -150,7 +158,7 @@ def candidates(names: Sequence[str], validate: bool, device: str = "cpu") -> dic
     out["native"] = lambda x: comm.Allreduce(x, other(x))
     out["native_inplace"] = lambda x: comm.Allreduce(MPI.IN_PLACE, x)
     for name in names:
-        out[name] = functools.partial(collectives.allreduce, comm=comm, op="sum", algorithm=name, validate=validate)
+        out[name] = functools.partial(collectives.allreduce, comm=comm, op="sum", collective=name, validate=validate)
     if device != "cuda":
         return out
     import cupy
@@ -233,8 +241,9 @@ def run(
         r.vs_native = native / r.time
         r.vs_bound = costmodel.model_bound(r.size, n, beta) / r.time
         if r.algorithm == "auto":
-            choice = collectives.explain(r.size, comm, device=device, validate=validate)
-            r.chosen, r.predicted = choice.algorithm, choice.predictions[choice.algorithm]
+            choice = collectives.explain(r.size, comm, device=device, validate=validate, dtype=dtype)
+            r.chosen, r.source = choice.algorithm, choice.source
+            r.predicted = choice.predictions.get(choice.algorithm, 0.0)
         elif r.algorithm in costmodel.MODELS:
             r.predicted = costmodel.predict(r.algorithm, r.size, lay, prm, validate=validate)
     return results
@@ -331,23 +340,28 @@ def table(results: Sequence[Result], nranks: int) -> str:
 
 
 def summary(results: Sequence[Result], tie: float = 0.1) -> str:
-    """Per size: auto against the best fixed algorithm and the best native variant;
-    at the smallest and largest sizes, the cost model's order of the algorithms
-    against the measured one (a pair measured within ``tie`` of each other is a
-    tie and cannot be out of order)."""
-    lines = [f"{'size':>9}  {'auto':<18} {'best fixed':<18} {'auto/best':>9} {'best native':<24} {'native/auto':>11}"]
+    """Per size: what auto ran and what chose it (:attr:`collectives.tuning.costmodel.Choice.source`),
+    the fastest of every other candidate (fixed algorithms and native variants) and
+    auto's time over its, and the best native variant's time over auto's; at the
+    smallest and largest sizes, the cost model's order of the algorithms against
+    the measured one (a pair measured within ``tie`` of each other is a tie and
+    cannot be out of order)."""
+    lines = [
+        f"{'size':>9}  {'auto ran':<18} {'chosen by':<24} {'fastest':<24} {'auto/fastest':>12} "
+        f"{'best native':<24} {'native/auto':>11}"
+    ]
     sizes = sorted({r.size for r in results})
     for size in sizes:
         rows = [r for r in results if r.size == size]
         auto = next((r for r in rows if r.algorithm == "auto"), None)
-        fixed = [r for r in rows if r.algorithm in costmodel.MODELS]
+        others = [r for r in rows if r.algorithm != "auto"]
         native = min((r for r in rows if r.algorithm.startswith("native")), key=lambda r: r.time)
-        if auto is None or not fixed:
+        if auto is None or len(others) < 2:
             continue
-        best = min(fixed, key=lambda r: r.time)
+        best = min(others, key=lambda r: r.time)
         lines.append(
-            f"{human(size):>9}  {auto.chosen:<18} {best.algorithm:<18} {auto.time / best.time:9.2f} "
-            f"{native.algorithm:<24} {native.time / auto.time:11.2f}"
+            f"{human(size):>9}  {auto.chosen:<18} {auto.source:<24} {best.algorithm:<24} "
+            f"{auto.time / best.time:12.2f} {native.algorithm:<24} {native.time / auto.time:11.2f}"
         )
     for size in dict.fromkeys((sizes[0], sizes[-1])):
         by_name = {r.algorithm: r for r in results if r.size == size and r.algorithm in costmodel.MODELS}
@@ -411,12 +425,20 @@ def main(args: argparse.Namespace) -> int:
 
     comm = init()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    names = list(collectives.ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
-    unknown = [a for a in names if a not in collectives.ALGORITHMS]
+    chosen = args.collectives
+    if args.algorithms is not None:
+        if comm.Get_rank() == 0:
+            print(
+                "mpidl bench: --algorithms is deprecated and will be removed in the next release; use --collectives",
+                file=sys.stderr,
+            )
+        chosen = args.algorithms
+    names = list(collectives.COLLECTIVES) if chosen == "all" else chosen.split(",")
+    unknown = [a for a in names if a not in collectives.COLLECTIVES]
     if unknown:
         if comm.Get_rank() == 0:
             print(
-                f"mpidl bench: unknown algorithm(s) {unknown}; valid: {', '.join(collectives.ALGORITHMS)}",
+                f"mpidl bench: unknown collective(s) {unknown}; valid: {', '.join(collectives.COLLECTIVES)}",
                 file=sys.stderr,
             )
         return USAGE_EXIT_CODE
@@ -448,7 +470,7 @@ def main(args: argparse.Namespace) -> int:
         )
         print(f"# {meta['layout']}; cost model: {meta['costmodel']}")
         print(table(results, comm.Get_size()))
-        print("# auto against the best fixed algorithm and native; the cost model's order")
+        print("# auto against the fastest of every other candidate, and native; the cost model's order")
         print(summary(results))
         if args.device == "cuda":
             size = max(sizes)

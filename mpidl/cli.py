@@ -1,9 +1,10 @@
-"""The ``mpidl`` command: ``mpidl info | bench | step-bench | train | compare | data fetch``.
+"""The ``mpidl`` command: ``mpidl info | bench | step-bench | train | compare | simulate | data fetch``.
 
 Run it under the MPI launcher, e.g. ``mpiexec -n 2 mpidl info``; rank 0
 prints, every rank takes part (``mpidl data fetch`` downloads, once, in one
-process). Diagnostics go to stderr after ``mpidl: rank R:``, at the level
-``MPIDL_LOG_LEVEL`` names. Exit status (:mod:`mpidl.runtime`): 2 for a usage
+process; ``mpidl simulate`` simulates all its workers in one). Diagnostics
+go to stderr after ``mpidl: rank R:``, at the level ``MPIDL_LOG_LEVEL``
+names. Exit status (:mod:`mpidl.runtime`): 2 for a usage
 error (on every rank alike), 4 when an uncaught exception on some rank
 aborted the whole job, 3 when a transfer blocked for 10 minutes did
 (:mod:`collectives.transport.watchdog`); ``mpidl data fetch`` 1 when a file
@@ -21,6 +22,7 @@ from mpi4py import MPI
 
 from . import __version__, bench, compare, fetch, info, stepbench, train
 from .runtime import init
+from .simulate import cli as simulate
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -121,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_arguments(p)
     p.set_defaults(run=compare.main)
+    p = sub.add_parser(
+        "simulate",
+        help="simulate an algorithm on n workers in virtual time, one process (real gradients, modelled network)",
+        description=simulate.__doc__.split("\n\n")[0],
+    )
+    simulate.add_arguments(p)
+    p.set_defaults(run=simulate.main, mpi=False)
     p = sub.add_parser("data", help="get the datasets mpidl train reads (fetch)")
     data_sub = p.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
     p = data_sub.add_parser(

@@ -65,9 +65,10 @@ class StepBudget:
         self._over = self._comm.Irecv(self._word, 0, _EPOCH_OVER)
 
     def step(self) -> None:
-        """Report one step of this worker."""
+        """Report one step of this worker (polled where this thread's waits poll:
+        :func:`collectives.transport.p2p.poll_waits`)."""
         self._msg[0] = _STEP
-        self._comm.Send(self._msg, 0, _TO_COUNTER)
+        p2p.complete(self._comm.Isend(self._msg, 0, _TO_COUNTER))
 
     def over(self) -> bool:
         """Whether the current epoch's budget is spent (its end was announced)."""
@@ -77,7 +78,7 @@ class StepBudget:
     def close(self) -> None:
         """Stop counting (collective; after the last epoch is over on every worker)."""
         self._msg[0] = _CLOSE
-        self._comm.Send(self._msg, 0, _TO_COUNTER)
+        p2p.complete(self._comm.Isend(self._msg, 0, _TO_COUNTER))
         if self._thread is not None:  # it ends once every worker has closed
             p2p.operation("StepBudget.close() (waiting for every worker's close())")
             with p2p.waiting(self._comm):

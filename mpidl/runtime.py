@@ -1,4 +1,5 @@
-"""MPI start-up for mpidl programs: thread level, fail-fast, stall limits, logging, exit codes.
+"""MPI start-up for mpidl programs: thread level, fail-fast, stall limits, logging, exit codes,
+this rank's place.
 
 Exit codes of the ``mpidl`` commands and of jobs that call :func:`init`
 (``docs/failures.rst`` says what a batch script should do with each):
@@ -23,6 +24,8 @@ from mpi4py import MPI
 from collectives.transport import logs, threads, watchdog
 from collectives.transport.threads import EXCEPTION_EXIT_CODE, INTERRUPT_EXIT_CODE
 
+from . import ranks
+
 log = logging.getLogger("mpidl")
 
 #: A usage error: a bad option or set-up, reported on every rank alike (argparse's code too).
@@ -39,7 +42,10 @@ def init(
     stall_abort: float | None = None,
     log_handler: bool = True,
 ) -> MPI.Intracomm:
-    """Initialise MPI for mpidl (idempotent) and return ``MPI.COMM_WORLD``.
+    """Initialise MPI for mpidl (idempotent; collective: every rank calls it) and return
+    ``MPI.COMM_WORLD``, as Horovod's ``hvd.init()``; afterwards :func:`mpidl.rank`,
+    :func:`~mpidl.size`, :func:`~mpidl.local_rank` and :func:`~mpidl.local_size` say
+    where this rank is (:mod:`mpidl.ranks`).
 
     Args:
         abort_on_exception: install a ``sys.excepthook`` that prints the
@@ -62,6 +68,9 @@ def init(
     initialised MPI with a lower level itself, a warning says so (and the
     parts that need service threads refuse to start:
     :func:`collectives.transport.threads.require_multiple`).
+
+    Raises:
+        ArgumentError: ``MPIDL_RANKS_PER_NODE`` is malformed (on every rank).
     """
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
@@ -76,6 +85,7 @@ def init(
     if abort_on_exception:
         sys.excepthook = threads.fail
     watchdog.configure(stall_warn, stall_abort)
+    ranks.locate(MPI.COMM_WORLD)
     return MPI.COMM_WORLD
 
 

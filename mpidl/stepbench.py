@@ -123,8 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--collective",
-        default=collectives.DEFAULT_ALGORITHM,
-        choices=list(collectives.ALGORITHMS),
+        default=collectives.DEFAULT_COLLECTIVE,
+        choices=list(collectives.COLLECTIVES),
         help="the all-reduce algorithm of comm and AllReduce-SGD (default auto)",
     )
     p.add_argument(
@@ -276,7 +276,7 @@ def _candidate(
     kind, _, unfused = kind.partition("-")
     options: dict[str, Any] = {"topology": args.topology}
     if kind == "allreduce":
-        options = {"algorithm": args.collective, "bucket_mb": args.bucket_mb}
+        options = {"collective": args.collective, "bucket_mb": args.bucket_mb}
         options.update({"fuse_update": False} if unfused else {})
     algo = algorithms.create(kind, module, opt, comm, overlap=bool(overlap), **options)
     closers.append(algo.close)
@@ -284,7 +284,7 @@ def _candidate(
         if name == "allreduce":
             described["fused"] = algo.fused_update is not None
         described["buckets"] = [b.size * algo.flat.grad_data.itemsize for b in algo.buckets]
-        described["bucket_algorithms"] = list(algo.bucket_algorithms)
+        described["bucket_collectives"] = list(algo.bucket_collectives)
         described["resident"] = algo.resident
         if algo.choice is not None:
             described["collective"] = f"auto ({algo.choice.algorithm})"

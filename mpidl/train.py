@@ -11,12 +11,26 @@ which communicates and applies SGD with momentum. After every epoch the workers 
 (:mod:`mpidl.metrics`); rank 0 prints one line per epoch on stdout, shows a
 progress bar on stderr, and at the end writes ``--json`` and ``--plot``.
 
-Stragglers (``--slow RANK:FACTOR``): in every step, rank RANK measures the
-wall time c of its computation (zeroing the gradients, forward and backward
-pass, device work included) and then sleeps (FACTOR - 1) x c before calling
-``step()``, so its computation takes FACTOR times as long; the
-communication and the optimizer update inside ``step()`` are not stretched.
-The option may be repeated for several ranks.
+Heterogeneity and pacing: each worker computes its gradient for real, then
+waits out its step's slowdown before calling ``step()``
+(:mod:`mpidl.stepclock`): by default a step slowed by a factor f sleeps
+(f - 1) x its computation time; with ``--step-time C`` every step's
+computation takes f x C (paced compute: many workers share few cores, as
+GPU workers of a large model would behave), and the main thread's waits
+poll. The factor is fixed per rank (``--slow RANK:FACTOR``, repeatable)
+times a random transient one (``--slowdown p=0.1,F=4,P=10``), seeded
+(:mod:`mpidl.slowdowns`), so every algorithm of a comparison sees the same
+schedule. The communication and the optimizer update inside ``step()`` are
+never stretched.
+
+Which worker is slow: at the end rank 0 prints each worker's mean step,
+computation and communication/waiting time per step, names the slowest
+worker where it stands out, and the CPU the workers used
+(:mod:`mpidl.stragglers`); the JSON holds them under ``workers``.
+
+Timeline (``--timeline FILE``, ``--timeline-plot FILE.png``): every rank's
+computation, communication and waiting per step, as a Chrome trace and a
+Gantt chart (:mod:`mpidl.timeline`).
 
 Checkpoints (``--checkpoint DIR``, ``--checkpoint-every K``, ``--resume``):
 after the last step, and after every K-th step, the workers settle the
@@ -30,8 +44,10 @@ Since an epoch's batches depend only on (seed, epoch, rank), a resumed run
 of an algorithm whose runs are reproducible (AllReduce-SGD, D-PSGD, LSGD,
 GR-SGD with ``--max-lead 0``, Prague with static groups) takes exactly the
 steps the uninterrupted run would have, and ends with the same parameters
-and metrics (times aside; with ``--collective auto`` as long as the job,
-which calibrates anew, chooses the same all-reduce algorithms). Where the
+and metrics (times aside; with ``--collective auto`` as long as the job
+chooses the same all-reduce algorithms, which the persisted measurements of
+``auto`` make so on the same machine: ``mpidl train`` has ``auto`` tune on
+copies, never on the training's own calls, see ``docs/collectives.rst``). Where the
 workers' timing decides the updates
 (AD-PSGD, GR-SGD with a lead, Prague with random or smart groups), the
 resumed run starts from exactly the saved state, random generators
@@ -68,10 +84,14 @@ from mpi4py import MPI
 
 import algorithms
 import collectives
+from algorithms import events
 from algorithms.topology import TOPOLOGIES, WEIGHTS, Topology
+from collectives.transport import p2p
 
-from . import __version__, checkpoint, data, metrics, models, pacing, peers, plotting
+from . import __version__, checkpoint, data, metrics, models, pacing, peers, plotting, stragglers, timeline
 from .models.torch_model import TorchModel
+from .slowdowns import RandomSlowdown, Slowdowns, parse_random
+from .stepclock import StepClock, parse_duration
 
 T = TypeVar("T")
 
@@ -135,9 +155,9 @@ ALGORITHM_OPTIONS = (
     AlgorithmOption("--weights", "weights", "mixing weights on the graph (default uniform)", list(WEIGHTS)),
     AlgorithmOption(
         "--collective",
-        "algorithm",
+        "collective",
         "the all-reduce algorithm (default auto: the cost model's choice)",
-        list(collectives.ALGORITHMS),
+        list(collectives.COLLECTIVES),
     ),
     AlgorithmOption(
         "--layout",
@@ -277,6 +297,10 @@ class TrainConfig:
     device: str = "cpu"
     threads: int | None = None
     slow: dict[int, float] = field(default_factory=dict)
+    slowdown: RandomSlowdown | None = None
+    step_time: float | None = None
+    polled_waits: bool | None = None
+    timeline: bool = False
     progress: bool = True
     checkpoint: str | None = None
     checkpoint_every: int = 0
@@ -285,11 +309,15 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """A finished run: its description, the per-epoch records, and this worker's final parameters."""
+    """A finished run: its description, the per-epoch records, this worker's final
+    parameters, every worker's step times and CPU use (:func:`mpidl.stragglers.report`),
+    and on rank 0 the timeline recorded (:func:`mpidl.timeline.stop`), if one was."""
 
     meta: dict[str, Any]
     epochs: list[dict[str, Any]]
     params: np.ndarray
+    workers: dict[str, Any] = field(default_factory=dict)
+    timeline: dict[str, Any] | None = None
 
 
 def parse_slow(text: str) -> tuple[int, float]:
@@ -304,6 +332,13 @@ def parse_slow(text: str) -> tuple[int, float]:
     if value[0] < 0 or not value[1] >= 1:
         raise argparse.ArgumentTypeError(f"bad --slow {text!r}: RANK must be >= 0 and FACTOR >= 1")
     return value
+
+
+def _parse_slowdown(text: str) -> RandomSlowdown:
+    try:
+        return parse_random(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -396,10 +431,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="RANK:FACTOR",
         help="make RANK's computation FACTOR times as long by sleeping (repeatable)",
     )
+    g.add_argument(
+        "--slowdown",
+        type=_parse_slowdown,
+        metavar="p=PROB,F=FACTOR,P=STEPS",
+        help="random transient slowdowns: each worker, in each period of STEPS of its steps, is FACTOR "
+        "times as slow with probability PROB, drawn from the seed (or seed=S), the rank and the period",
+    )
+    g.add_argument(
+        "--step-time",
+        type=parse_duration,
+        metavar="TIME",
+        help="paced compute: every step's computation takes TIME (e.g. 150ms) times its slowdown, "
+        "the gradient computed for real and the rest slept",
+    )
+    g.add_argument(
+        "--polled-waits",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the main thread's waits for communication poll with back-off sleeps instead of "
+        "MPI's busy waiting (default: with --step-time)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="write the run's description and per-epoch metrics as JSON")
     g.add_argument("--plot", metavar="FILE.png", help="plot test accuracy against time and epoch (needs matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    g.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="write every rank's computation, communication and waiting per step as a Chrome trace "
+        "(open it in https://ui.perfetto.dev or chrome://tracing)",
+    )
+    g.add_argument(
+        "--timeline-plot",
+        metavar="FILE.png",
+        help="draw a Gantt chart of steps 1-3 of the timeline, a row per rank and thread (needs matplotlib)",
+    )
     g = p.add_argument_group("checkpoints")
     g.add_argument(
         "--checkpoint",
@@ -465,6 +532,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         device=args.device,
         threads=args.threads,
         slow=slow,
+        slowdown=args.slowdown,
+        step_time=args.step_time,
+        polled_waits=args.polled_waits,
+        timeline=bool(args.timeline or args.timeline_plot),
         progress=not args.no_progress,
         checkpoint=args.checkpoint,
         checkpoint_every=args.checkpoint_every,
@@ -565,13 +636,23 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
     if isinstance(algo, peers.Horovod):
         net.optimizer = algo.optimizer  # Horovod's optimizer keeps the momentum (checkpoints)
     budget = pacing.StepBudget(comm, comm.Get_size() * steps) if algo.uneven_steps else None
+    polled = config.step_time is not None if config.polled_waits is None else config.polled_waits
     try:
-        run = _Run(config, dataset, net, algo, steps, threads, budget)
+        run = _Run(config, dataset, net, algo, steps, threads, budget, polled)
         if config.resume:
-            _agreed(comm, run.restore)
+            run.load_algorithm_state(_agreed(comm, run.restore))
         if comm.Get_rank() == 0:
             print(_header(run.meta), flush=True)
-        run.epochs()
+        blocking = p2p.poll_waits(polled)
+        try:
+            if config.timeline:
+                timeline.start(comm)
+            run.epochs()
+            trace = timeline.stop() if config.timeline else None
+        finally:
+            timeline.abandon()  # where an exception left before stop(): this rank's recording is dropped
+            p2p.poll_waits(blocking)
+        workers = stragglers.report(run.times, run.cpu, comm)
         params = net.to_numpy(algo.params)
     except AGREED_ERRORS:  # every rank is here: they close together
         _close(algo, budget)
@@ -590,7 +671,8 @@ def train(config: TrainConfig, comm: MPI.Comm | None = None) -> TrainResult:
             f"{last['time_s']:.2f} s training",
             flush=True,
         )
-    return TrainResult(run.meta, run.records, params)
+        print(stragglers.table(workers), flush=True)
+    return TrainResult(run.meta, run.records, params, workers, trace)
 
 
 def _close(algo: algorithms.Algorithm, budget: pacing.StepBudget | None) -> None:
@@ -627,9 +709,15 @@ class _Run:
         steps: int,
         threads: int,
         budget: pacing.StepBudget | None,
+        polled: bool,
     ) -> None:
         self.config, self.net, self.algo, self.steps, self.budget = config, net, algo, steps, budget
-        self.meta = _describe(config, dataset, net, algo, steps, threads)
+        self.meta = _describe(config, dataset, net, algo, steps, threads, polled)
+        slowdowns = Slowdowns(algo.rank, config.slow, config.slowdown, config.seed)
+        self.clock = StepClock(slowdowns, config.step_time)
+        self.updated_s = 0.0  # what the last step() took besides communicating (the update)
+        self.times = stragglers.StepTimes()
+        self.cpu = stragglers.CpuMeter()
         self.indices = data.shard(len(dataset.y_train), algo.rank, algo.size, config.seed)
         self.x_train, self.y_train = net.array(dataset.x_train), net.array(dataset.y_train)
         self.x_test, self.y_test = net.array(dataset.x_test), net.array(dataset.y_test)
@@ -659,10 +747,12 @@ class _Run:
         total = self.config.epochs * self.steps
         bar = _progress(total, self.config.progress and self.algo.rank == 0, f"train {self.config.algorithm}")
         bar.update(min(self.step, total))
+        self.cpu.start()
         try:
             for epoch in range(self.step // self.steps + 1, self.config.epochs + 1):
                 self._epoch(epoch, bar)
         finally:
+            self.cpu.stop()
             bar.close()
 
     def _epoch(self, epoch: int, bar: Any) -> None:
@@ -674,13 +764,14 @@ class _Run:
         else:
             loss_sum, taken = self._budgeted_steps(epoch)
             bar.update(self.steps)
-        algo.settle()
-        net.synchronize()
+        with events.span("settle", events.COMMUNICATION, epoch=epoch):
+            algo.settle()
+            net.synchronize()
         epoch_s = self.epoch_s + time.perf_counter() - t0
         self.time_s += epoch_s
         self.epoch_s, self.loss_sum = 0.0, 0.0
         internode_bytes = self.node_bytes.total
-        with self.node_bytes.excluding():
+        with self.node_bytes.excluding(), events.span("evaluate", events.EVALUATION, epoch=epoch):
             record = metrics.measure(
                 epoch,
                 algo,
@@ -735,16 +826,30 @@ class _Run:
         return loss_sum, taken
 
     def _train_step(self, batch: Any) -> Any:
-        """One step on ``batch``: gradient, the --slow stretch, the algorithm's step; the loss."""
+        """One step on ``batch``: the gradient, the paced or slowed wait (:mod:`mpidl.stepclock`),
+        the algorithm's step, each timed (:class:`mpidl.stragglers.StepTimes`, and a span each
+        while a timeline is recorded); returns the loss."""
         net, algo = self.net, self.algo
-        t = time.perf_counter()
+        k = algo.iterations
+        t0 = time.perf_counter()
         algo.zero_grad()
         loss = net.loss_backward(self.x_train[batch], self.y_train[batch])
-        factor = self.config.slow.get(algo.rank, 1.0)
-        if factor > 1:
-            net.synchronize()
-            time.sleep((factor - 1) * (time.perf_counter() - t))
+        net.synchronize()
+        t1 = time.perf_counter()
+        factor, overrun = self.clock.pause(k, t1 - t0, self.updated_s)
+        t2 = time.perf_counter()
+        waited = algo.comm_wait_s
         algo.step()
+        t3 = time.perf_counter()
+        waited = algo.comm_wait_s - waited
+        self.updated_s = t3 - t2 - waited
+        self.times.add(t1 - t0, t2 - t0, t3 - t0, waited, factor, overrun)
+        recorder = events.active
+        if recorder is not None:
+            recorder.add("compute", events.COMPUTE, t0, t1, step=k)
+            if self.clock.step_time is not None or factor != 1:
+                recorder.add("paced" if self.clock.step_time else "slowed", events.PACED, t1, t2, step=k, factor=factor)
+            recorder.add("step", events.STEP, t2, t3, step=k)
         self.step += 1
         return loss
 
@@ -780,6 +885,7 @@ class _Run:
             "records": self.records,
             "algorithm": {k: v for k, v in state.items() if not isinstance(v, np.ndarray)},
             "internode_bytes": self.node_bytes.total,
+            "step_times": self.times.state(),
         }
         arrays = {
             "params": net.to_numpy(algo.params),
@@ -789,8 +895,10 @@ class _Run:
         }
         checkpoint.save(self.config.checkpoint, step, algo.comm, arrays, info)
 
-    def restore(self) -> None:
-        """Continue from the newest checkpoint in ``config.checkpoint`` (local).
+    def restore(self) -> dict[str, Any]:
+        """Continue from the newest checkpoint in ``config.checkpoint`` (local): the
+        model, the optimizer and the run's counters; return the algorithm's state, for
+        :meth:`load_algorithm_state` once every rank has read its file.
 
         Raises:
             UsageError: the checkpoint is of another run.
@@ -820,7 +928,6 @@ class _Run:
             for key in [k for k in arrays if k.startswith(_ALGORITHM_ARRAY)]:
                 state[key[len(_ALGORITHM_ARRAY) :]] = arrays.pop(key)
             self.net.load_optimizer_state(arrays)
-            algo.load_state_dict(state)
         except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # what the file holds does not fit
             problem = f"lacks {exc}" if isinstance(exc, KeyError) else str(exc)
             raise checkpoint.CheckpointError(
@@ -829,10 +936,35 @@ class _Run:
         self.step, self.time_s, self.epoch_s = info["step"], info["time_s"], info["epoch_s"]
         self.loss_sum, self.records = info["loss_sum"], info["records"]
         self.node_bytes.carry(info.get("internode_bytes", 0))
+        if "step_times" in info:
+            self.times = stragglers.StepTimes.from_state(info["step_times"])
+        return state
+
+    def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        """Load the algorithm's state that :meth:`restore` returned (collective).
+
+        Raises:
+            checkpoint.CheckpointError: on every rank, where it does not fit on some
+                rank, naming that rank's file.
+        """
+        assert self.config.checkpoint, "load_algorithm_state() without a checkpoint folder"
+        try:
+            self.algo.load_state_dict(state)
+        except algorithms.StateError as exc:  # raised on every rank alike: the first rank it names
+            rank, problem = next(iter(exc.problems.items()))
+            raise checkpoint.CheckpointError(
+                f"rank {rank}: {checkpoint.rank_file(self.config.checkpoint, rank)}: {problem}"
+            ) from exc
 
 
 def _describe(
-    config: TrainConfig, dataset: data.Dataset, net: models.Model, algo: algorithms.Algorithm, steps: int, threads: int
+    config: TrainConfig,
+    dataset: data.Dataset,
+    net: models.Model,
+    algo: algorithms.Algorithm,
+    steps: int,
+    threads: int,
+    polled: bool,
 ) -> dict[str, Any]:
     """The ``meta`` part of the JSON: the run's configuration and what it resolved to."""
     meta = {
@@ -854,6 +986,21 @@ def _describe(
         "device": str(net.device),
         "threads": threads,
         "uneven_steps": algo.uneven_steps,
+        **schedule_meta(config, steps),
+        "polled_waits": polled,
+        "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+    }
+    topo = getattr(algo, "topology", None)
+    if isinstance(topo, Topology):
+        meta["topology"] = {"name": topo.name, "spectral_gap": topo.spectral_gap}
+    return meta
+
+
+def schedule_meta(config: Any, steps: int) -> dict[str, Any]:
+    """The run description's fields of the schedule and the pace (epochs, steps per epoch,
+    batch, optimizer, seed, slowdowns, step time) that ``mpidl train`` and ``mpidl
+    simulate`` share: ``config`` a :class:`TrainConfig` or a simulation's config."""
+    return {
         "epochs": config.epochs,
         "steps_per_epoch": steps,
         "batch_size": config.batch_size,
@@ -861,12 +1008,9 @@ def _describe(
         "momentum": config.momentum,
         "seed": config.seed,
         "slow": {str(r): f for r, f in sorted(config.slow.items())},
-        "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+        "slowdown": config.slowdown.describe() if config.slowdown is not None else None,
+        "step_time_s": config.step_time,
     }
-    topo = getattr(algo, "topology", None)
-    if isinstance(topo, Topology):
-        meta["topology"] = {"name": topo.name, "spectral_gap": topo.spectral_gap}
-    return meta
 
 
 def _header(meta: dict[str, Any]) -> str:
@@ -877,6 +1021,11 @@ def _header(meta: dict[str, Any]) -> str:
     if "topology" in meta:
         what += f", {meta['topology']['name']} spectral gap {meta['topology']['spectral_gap']:.3f}"
     slow = "".join(f", rank {r} slowed x{f:g}" for r, f in meta["slow"].items())
+    if meta["slowdown"] is not None:
+        r = meta["slowdown"]
+        slow += f", random slowdowns x{r['F']:g} with p={r['p']:g} per {r['P']} steps"
+    if meta["step_time_s"] is not None:
+        slow += f", paced {1e3 * meta['step_time_s']:g} ms per step"
     return (
         f"# mpidl train: {what} on {meta['dataset']} ({meta['train_samples']} train / "
         f"{meta['test_samples']} test samples), {meta['workers']} workers{slow}\n"
@@ -893,9 +1042,9 @@ def _header(meta: dict[str, Any]) -> str:
 
 
 def write_json(result: TrainResult, path: str) -> None:
-    """Write ``{"meta": ..., "epochs": [...]}`` to ``path``."""
+    """Write ``{"meta": ..., "epochs": [...], "workers": ...}`` to ``path``."""
     with open(path, "w") as f:
-        json.dump({"meta": result.meta, "epochs": result.epochs}, f, indent=1)
+        json.dump({"meta": result.meta, "epochs": result.epochs, "workers": result.workers}, f, indent=1)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -903,9 +1052,10 @@ def main(args: argparse.Namespace) -> int:
     from .runtime import USAGE_EXIT_CODE, init
 
     comm = init()
+    collectives.set_tuning(deterministic=True)  # one algorithm per size from the first step: repeatable bits
     try:
         config = config_from_args(args)
-        if args.plot:
+        if args.plot or args.timeline_plot:
             _agreed(comm, plotting.require)
         result = train(config, comm)
     except AGREED_ERRORS as exc:
@@ -917,6 +1067,11 @@ def main(args: argparse.Namespace) -> int:
             write_json(result, args.json)
         if args.plot:
             metrics.plot(result.epochs, args.plot, f"{config.algorithm} on {config.dataset}, {comm.Get_size()} workers")
+        if result.timeline is not None and args.timeline:
+            timeline.write(result.timeline, args.timeline)
+        if result.timeline is not None and args.timeline_plot:
+            title = f"mpidl train --algorithm {config.algorithm}, {comm.Get_size()} workers"
+            timeline.plot(result.timeline, args.timeline_plot, title=title)
     return 0
 
 

@@ -88,11 +88,11 @@ def train(name: str, options: dict, device: str, comm: MPI.Comm) -> tuple[np.nda
 def check_algorithms(comm: MPI.Comm) -> list[str]:
     failures = []
     for name, options in (
-        ("allreduce", {"algorithm": "ring"}),
-        ("allreduce", {"algorithm": "ring", "overlap": True}),
+        ("allreduce", {"collective": "ring"}),
+        ("allreduce", {"collective": "ring", "overlap": True}),
         ("dpsgd", {"topology": "ring"}),
         ("dpsgd", {"topology": "ring", "overlap": True}),
-        ("lsgd", {"layout": 2, "algorithm": "ring"}),
+        ("lsgd", {"layout": 2, "collective": "ring"}),
     ):
         x_cpu, bytes_cpu = train(name, options, "cpu", comm)
         x_gpu, bytes_gpu = train(name, options, "cuda", comm)
@@ -121,7 +121,7 @@ def check_service_threads(comm: MPI.Comm) -> list[str]:
     cupy.cuda.set_allocator(watched(pool.malloc))
     cupy.cuda.set_pinned_memory_allocator(watched(pinned.malloc))
     try:
-        for name, options in (("adpsgd", {}), ("lsgd", {"layout": 1, "algorithm": "ring"}), ("prague", {})):
+        for name, options in (("adpsgd", {}), ("lsgd", {"layout": 1, "collective": "ring"}), ("prague", {})):
             train(name, options, f"cuda:{device}", comm)
     finally:
         cupy.cuda.set_allocator(pool.malloc)

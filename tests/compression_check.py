@@ -120,7 +120,7 @@ def _one(comm: MPI.Comm, spec: str, options: dict[str, Any], dtype: str, length:
     inputs = [rank_input(i, length, dtype) for i in range(n)]
     buf = make_buffer(inputs[rank], dtype, device)
     residual = make_buffer(np.zeros(length), dtype, device)
-    out = compressor.allreduce(buf, comm, op, residual=residual, algorithm="ring", validate=True)
+    out = compressor.allreduce(buf, comm, op, residual=residual, collective="ring", validate=True)
     got, res = to_host(buf), to_host(residual)
     problems = [] if out is buf else [f"{case}: did not return the caller's buffer"]
     if len(set(comm.allgather(raw_bytes(buf)))) != 1:

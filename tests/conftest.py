@@ -1,4 +1,5 @@
-"""pytest configuration: a temporary root per rank, quieter output on ranks other than 0."""
+"""pytest configuration: a temporary root per rank, auto's cache in a temporary
+directory, quieter output on ranks other than 0."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from mpi4py import MPI
 
 def pytest_configure(config: pytest.Config) -> None:
     rank = MPI.COMM_WORLD.rank
+    # auto's measurements go to a directory of the test runs (inherited by the
+    # programs the tests start), not to the user's cache: every rank the same
+    os.environ.setdefault("MPIDL_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"pytest-mpidl-{os.getuid()}-cache"))
     if config.option.basetemp is None:
         # One temporary root per rank: pytest's numbered directories are not
         # safe for several processes creating and pruning them at once.

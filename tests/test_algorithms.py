@@ -22,12 +22,12 @@ DIM = 12  # divisible by 1..4: ring chunks are equal, so byte counts are exact
 
 #: (algorithm, options) pairs exercised on every communicator size.
 CONFIGS = {
-    "allreduce-ring": ("allreduce", {"algorithm": "ring"}),
-    "allreduce-halving_doubling": ("allreduce", {"algorithm": "halving_doubling"}),
+    "allreduce-ring": ("allreduce", {"collective": "ring"}),
+    "allreduce-halving_doubling": ("allreduce", {"collective": "halving_doubling"}),
     "dpsgd-ring": ("dpsgd", {"topology": "ring"}),
     "dpsgd-exponential-metropolis": ("dpsgd", {"topology": "exponential", "weights": "metropolis"}),
-    "lsgd-pairs": ("lsgd", {"layout": 2, "algorithm": "ring"}),
-    "lsgd-singletons": ("lsgd", {"layout": 1, "algorithm": "butterfly"}),
+    "lsgd-pairs": ("lsgd", {"layout": 2, "collective": "ring"}),
+    "lsgd-singletons": ("lsgd", {"layout": 1, "collective": "butterfly"}),
     "grsgd-synchronous": ("grsgd", {"max_lead": 0}),
     "prague-static-everyone": ("prague", {"policy": "static", "group_size": 4}),
 }
@@ -77,6 +77,8 @@ def test_converges_to_the_optimum(config: str, size: int) -> None:
 def test_asynchronous_algorithms_converge_to_the_optimum(config: str, size: int) -> None:
     """Workers from different random starts minimise the same f(x) = 0.5 ||x - a||^2
     without a global clock (random sleeps make their speeds differ): each ends at a.
+    The step size stays 0.3 (a decaying one left a lagging worker's error, averaged in
+    late, barely contracted: 1.5e-6 on a loaded machine).
 
     With different targets per worker the point asynchronous SGD reaches depends on
     how the workers' steps happened to interleave (a gradient taken just before an
@@ -93,8 +95,6 @@ def test_asynchronous_algorithms_converge_to_the_optimum(config: str, size: int)
     with algorithms.create(name, x, opt, comm, broadcast_init=False, **options) as algo:
         for t in range(120):
             time.sleep(rng.uniform(0, 5e-4))
-            if t >= 60:
-                opt.lr *= 0.9
             algo.step(x - a)
             if t == 59:
                 algo.settle()
@@ -236,7 +236,7 @@ def test_bytes_sent_allreduce_and_dpsgd(size: int) -> None:
     n = comm.Get_size()
     model_bytes, steps = DIM * 8, 5
     x, y = np.zeros(DIM), np.zeros(DIM)
-    ring_sgd = algorithms.AllReduceSGD(x, SGD(x, lr=0.1), comm, algorithm="ring")
+    ring_sgd = algorithms.AllReduceSGD(x, SGD(x, lr=0.1), comm, collective="ring")
     dpsgd = algorithms.DPSGD(y, SGD(y, lr=0.1), comm, topology="ring")
     for _ in range(steps):
         ring_sgd.step(np.ones(DIM))
@@ -261,7 +261,7 @@ def test_bytes_sent_lsgd_two_groups_of_two() -> None:
         pytest.skip("needs four ranks")
     m, steps = DIM * 8, 6
     x = np.zeros(DIM)
-    algo = algorithms.LSGD(x, SGD(x, lr=0.1), comm, layout="2,2", algorithm="ring")
+    algo = algorithms.LSGD(x, SGD(x, lr=0.1), comm, layout="2,2", collective="ring")
     for _ in range(steps):
         algo.step(np.ones(DIM))
     algo.close()
@@ -291,7 +291,7 @@ def test_lsgd_applies_the_global_gradient_one_step_late() -> None:
     a, optimum = targets(comm)
     lr = 0.3
     x = np.zeros(DIM)
-    with algorithms.LSGD(x, SGD(x, lr=lr), comm, layout=2 if n > 2 else 1, algorithm="ring") as algo:
+    with algorithms.LSGD(x, SGD(x, lr=lr), comm, layout=2 if n > 2 else 1, collective="ring") as algo:
         history = [x.copy()]
         for _ in range(6):
             algo.step(x - a)
@@ -302,8 +302,8 @@ def test_lsgd_applies_the_global_gradient_one_step_late() -> None:
     staleness_ok = n == 1 or (algo.groups > 1 and np.allclose(history, expected, rtol=0, atol=1e-12))
 
     y, z = np.zeros(DIM), np.zeros(DIM)
-    one_group = algorithms.LSGD(y, SGD(y, lr=lr), comm, layout=comm.Get_size(), algorithm="ring")
-    baseline = algorithms.AllReduceSGD(z, SGD(z, lr=lr), comm, algorithm="ring")
+    one_group = algorithms.LSGD(y, SGD(y, lr=lr), comm, layout=comm.Get_size(), collective="ring")
+    baseline = algorithms.AllReduceSGD(z, SGD(z, lr=lr), comm, collective="ring")
     for _ in range(6):
         one_group.step(y - a)
         baseline.step(z - a)
@@ -315,9 +315,9 @@ def test_lsgd_groups_from_the_node_layout(monkeypatch: pytest.MonkeyPatch) -> No
     comm = MPI.COMM_WORLD
     monkeypatch.delenv("MPIDL_RANKS_PER_NODE", raising=False)
     x = np.zeros(DIM)
-    detected = algorithms.LSGD(x, SGD(x, lr=0.1), comm, algorithm="ring")
+    detected = algorithms.LSGD(x, SGD(x, lr=0.1), comm, collective="ring")
     monkeypatch.setenv("MPIDL_RANKS_PER_NODE", "1")
-    emulated = algorithms.LSGD(x, SGD(x, lr=0.1), comm, algorithm="ring")
+    emulated = algorithms.LSGD(x, SGD(x, lr=0.1), comm, collective="ring")
     emulated.step(np.ones(DIM))
     emulated.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -339,11 +339,11 @@ def test_default_allreduce_algorithm_is_the_collectives_default() -> None:
     comm = MPI.COMM_WORLD
     x = np.zeros(DIM)
     algo = algorithms.AllReduceSGD(x, SGD(x, lr=0.5), comm)
-    assert algo.algorithm == collectives.DEFAULT_ALGORITHM
+    assert algo.collective == collectives.DEFAULT_COLLECTIVE
     a, optimum = targets(comm)
     for _ in range(40):
         algo.step(x - a)
-    chosen = algo.choice is None or algo.choice.algorithm in collectives.ALGORITHMS
+    chosen = algo.choice is None or algo.choice.algorithm in collectives.COLLECTIVES
     assert all_ok(comm, chosen and np.allclose(x, optimum, atol=1e-9))
 
 
@@ -399,17 +399,17 @@ def test_an_argument_error_leaving_a_with_block_closes_the_algorithm(name: str) 
     comm = comm_of_size(4)
     x = np.zeros(3)
     with (
-        pytest.raises(ArgumentError, match="unknown algorithm 'nope'"),
+        pytest.raises(ArgumentError, match="unknown collective 'nope'"),
         algorithms.create(name, x, SGD(x, lr=0.1), comm) as algo,
     ):
-        collectives.allreduce(np.zeros(2), comm, algorithm="nope")
+        collectives.allreduce(np.zeros(2), comm, collective="nope")
     assert all_ok(comm, algo.closed)
 
 
 #: One configuration of every algorithm, for the BatchNorm statistics test.
 EVERY_ALGORITHM = {
-    "allreduce": {"algorithm": "ring"},
-    "lsgd": {"layout": 2, "algorithm": "ring"},
+    "allreduce": {"collective": "ring"},
+    "lsgd": {"layout": 2, "collective": "ring"},
     "dpsgd": {"topology": "full"},
     "adpsgd": {},
     "grsgd": {"max_lead": 0},

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
-@pytest.mark.parametrize("algorithm", list(collectives.ALGORITHMS))
+@pytest.mark.parametrize("algorithm", list(collectives.COLLECTIVES))
 def test_matrix_small_communicators(algorithm: str, size: int) -> None:
     comm = comm_of_size(size)
     failures = gather_failures(comm, check(comm, [algorithm], available_dtypes()))
@@ -73,15 +73,15 @@ def test_numpy_subclasses_are_host_arrays(algorithm: str, tmp_path) -> None:
     mapped = np.memmap(tmp_path / "vector", dtype=np.float64, mode="w+", shape=(3, 4))
     mapped[:] = 10.0**r
     matrix = np.matrix(np.full((2, 5), 10.0**r))
-    ok = collectives.allreduce(mapped, comm, algorithm=algorithm) is mapped and bool(np.all(mapped == total))
-    ok &= collectives.allreduce(matrix, comm, algorithm=algorithm) is matrix and bool(np.all(matrix == total))
+    ok = collectives.allreduce(mapped, comm, collective=algorithm) is mapped and bool(np.all(mapped == total))
+    ok &= collectives.allreduce(matrix, comm, collective=algorithm) is matrix and bool(np.all(matrix == total))
     mapped.flush()
     ok &= bool(np.all(np.fromfile(tmp_path / "vector") == total))  # reduced in the file's memory
     assert all_ok(comm, ok)
     with pytest.raises(collectives.ArgumentError, match="read-only"):
-        collectives.allreduce(np.memmap(tmp_path / "vector", dtype=np.float64, mode="r"), comm, algorithm=algorithm)
+        collectives.allreduce(np.memmap(tmp_path / "vector", dtype=np.float64, mode="r"), comm, collective=algorithm)
     with pytest.raises(collectives.ArgumentError, match=r"masked array .* would ignore its mask"):
-        collectives.allreduce(np.ma.masked_array(np.ones(4), mask=[0, 1, 0, 0]), comm, algorithm=algorithm)
+        collectives.allreduce(np.ma.masked_array(np.ones(4), mask=[0, 1, 0, 0]), comm, collective=algorithm)
 
 
 def test_bfloat16_rounds_once_per_combine() -> None:
@@ -92,21 +92,56 @@ def test_bfloat16_rounds_once_per_combine() -> None:
     parts = [torch.tensor(v, dtype=torch.bfloat16) for v in inputs]
     expected = sum(p.float() for p in parts).to(torch.bfloat16)  # 1+2^-8 ties to 1, 3+2^-7 to 3
     x = parts[comm.Get_rank()].clone()
-    collectives.allreduce(x, comm, algorithm="butterfly")
+    collectives.allreduce(x, comm, collective="butterfly")
     assert all_ok(MPI.COMM_WORLD, bool(torch.equal(x, expected)))
 
 
+def nan(payload: int) -> float:
+    """A quiet float64 NaN with this payload."""
+    return float(np.array(0x7FF8000000000000 + payload, np.uint64).view(np.float64))
+
+
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("algorithm", list(collectives.ALGORITHMS))
+@pytest.mark.parametrize("algorithm", list(collectives.COLLECTIVES))
 def test_signed_zero_and_nan_agree_bitwise(algorithm: str, size: int) -> None:
     """Order-sensitive IEEE cases (min of -0.0 and 0.0, NaN payloads) agree on all ranks
-    (two ranks: the pairwise paths, e.g. shm's, where each rank combines its own vector)."""
+    (two ranks: the pairwise paths, e.g. shm's, where each rank combines its own vector).
+    "mpi" refuses min on floats: MPI's does not return NaN where an operand is NaN."""
     comm = comm_of_size(size)
     r = comm.Get_rank()
     x = np.array([0.0 if r % 2 else -0.0, np.nan if r == 0 else 1.0, -np.nan if r == 1 else 2.0])
-    collectives.allreduce(x, comm, op="min", algorithm=algorithm)
+    if algorithm == "mpi":
+        with pytest.raises(collectives.ArgumentError, match="min on float64 does not return NaN"):
+            collectives.allreduce(x, comm, op="min", collective=algorithm)
+        return
+    collectives.allreduce(x, comm, op="min", collective=algorithm)
     assert all_ok(comm, len(set(comm.allgather(x.tobytes()))) == 1)
     assert all_ok(comm, bool(x[0] == 0.0) and (bool(np.isnan(x[1])) or comm.Get_size() == 1))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_native_short_sums_agree_bitwise(size: int) -> None:
+    """ "mpi" on a vector shorter than the communicator: NaNs of different payloads meet
+    (MPICH's MPI_Allreduce, recursive doubling there, left each rank its own payload)."""
+    comm = comm_of_size(size)
+    x = np.array([nan(1 + comm.Get_rank())])
+    collectives.allreduce(x, comm, collective="mpi")
+    assert all_ok(comm, len(set(comm.allgather(x.tobytes()))) == 1 and bool(np.isnan(x[0])))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("algorithm", list(collectives.COLLECTIVES))
+def test_long_float_sums_agree_bitwise(algorithm: str, size: int) -> None:
+    """Beyond the MPI library's short-vector paths (98 KB, over the 64 KiB that "mpi"
+    reduces to one rank and broadcasts): sums of values of many magnitudes, with
+    NaNs of different payloads meeting, end bitwise identical on every rank."""
+    comm = comm_of_size(size)
+    r = comm.Get_rank()
+    rng = np.random.default_rng(r)
+    x = rng.standard_normal(12289) * 10.0 ** rng.integers(-8, 9, 12289)
+    x[::101] = nan(1 + r)
+    collectives.allreduce(x, comm, collective=algorithm)
+    assert all_ok(comm, len(set(comm.allgather(x.tobytes()))) == 1)
 
 
 def test_scratch_reused_across_calls() -> None:
@@ -114,9 +149,9 @@ def test_scratch_reused_across_calls() -> None:
     from collectives.transport.scratch import scratch
 
     comm = MPI.COMM_WORLD
-    collectives.allreduce(np.ones(1000, np.float32), comm, algorithm="butterfly")
+    collectives.allreduce(np.ones(1000, np.float32), comm, collective="butterfly")
     first = scratch(np.empty(0, np.float32), 10)
-    collectives.allreduce(np.ones(500, np.float32), comm, algorithm="butterfly")
+    collectives.allreduce(np.ones(500, np.float32), comm, collective="butterfly")
     again = scratch(np.empty(0, np.float32), 10)
     assert np.shares_memory(first, again)
 
@@ -127,7 +162,7 @@ def test_user_messages_do_not_mix_with_collective_messages() -> None:
     n, r = comm.Get_size(), comm.Get_rank()
     req = comm.isend(("user", r), dest=(r + 1) % n, tag=0x6D70)
     x = np.full(8, r, dtype=np.int64)
-    collectives.allreduce(x, comm, algorithm="ring")
+    collectives.allreduce(x, comm, collective="ring")
     got = comm.recv(source=(r - 1) % n, tag=0x6D70)
     req.wait()
     assert all_ok(comm, got == ("user", (r - 1) % n) and bool(np.all(x == n * (n - 1) // 2)))
@@ -143,7 +178,7 @@ def test_bytes_are_counted_by_world_rank_of_the_destination() -> None:
     try:
         x = np.ones(12 * p, np.float32)
         before = p2p.bytes_by_peer()
-        collectives.allreduce(x, reverse, algorithm="ring", validate=False)
+        collectives.allreduce(x, reverse, collective="ring", validate=False)
         after = p2p.bytes_by_peer()
         sent = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
         right = p - 1 - ((reverse.Get_rank() + 1) % p)  # the world rank of the ring's right neighbour

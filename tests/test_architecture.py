@@ -26,6 +26,8 @@ COLLECTIVES_PARTS = (
     "collectives.validation",
     "collectives.tuning",
     "collectives.api",
+    "collectives.gather",
+    "collectives.nonblocking",
     "collectives.partial",
     "collectives.compression",
     "collectives",  # the package's face: re-exports

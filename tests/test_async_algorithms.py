@@ -78,7 +78,7 @@ def test_which_algorithms_take_uneven_steps() -> None:
         ("prague", {}),
         ("prague", {"policy": "static"}),
         ("dpsgd", {}),
-        ("allreduce", {"algorithm": "ring"}),
+        ("allreduce", {"collective": "ring"}),
     ]:
         x = np.zeros(DIM)
         with algorithms.create(name, x, SGD(x, lr=0.1), comm, **options) as algo:
@@ -89,7 +89,7 @@ def test_which_algorithms_take_uneven_steps() -> None:
         "prague {}": True,
         "prague {'policy': 'static'}": False,
         "dpsgd {}": False,
-        "allreduce {'algorithm': 'ring'}": False,
+        "allreduce {'collective': 'ring'}": False,
     }
 
 
@@ -284,6 +284,7 @@ def test_half_precision_torch_models(name: str, dtype: str) -> None:
         ("prague", {"local_steps": 0}, "local_steps must be an integer >= 1"),
         ("prague", {"policy": "fastest"}, "unknown policy 'fastest'"),
         ("adpsgd", {"topology": topology.ring(9)}, "has 9 ranks"),
+        ("adpsgd", {"on_failure": "retry"}, "unknown on_failure 'retry'; valid: abort, continue"),
     ],
 )
 def test_bad_options_raise_on_every_rank(name: str, options: dict, match: str) -> None:

@@ -107,13 +107,20 @@ def test_bench_writes_every_candidate(tmp_path_factory: pytest.TempPathFactory) 
     assert proc.returncode == 0, proc.stderr
     data = on_rank0_quietly(lambda: json.loads(out.read_text()))
     names = {r["algorithm"] for r in data["results"]}
-    assert names == {"native", "native_inplace", *collectives.ALGORITHMS}
+    assert names == {"native", "native_inplace", *collectives.COLLECTIVES}
     assert all(r["time"] > 0 and r["vs_native"] > 0 for r in data["results"])
     assert {r["size"] for r in data["results"]} == {4096, 8192}
-    assert all(r["chosen"] in collectives.ALGORITHMS for r in data["results"] if r["algorithm"] == "auto")
+    assert all(r["chosen"] in collectives.COLLECTIVES for r in data["results"] if r["algorithm"] == "auto")
     assert "4 KiB: pairs the model orders wrongly" in proc.stdout and "8 KiB: model order" in proc.stdout
 
 
 def test_bench_rejects_unknown_algorithm() -> None:
-    proc = on_rank0_quietly(mpiexec, 1, ["-m", "mpidl", "bench", "--algorithms", "nope", "--sizes", "4K"])
-    assert proc.returncode == 2 and "unknown algorithm" in proc.stderr
+    proc = on_rank0_quietly(mpiexec, 1, ["-m", "mpidl", "bench", "--collectives", "nope", "--sizes", "4K"])
+    assert proc.returncode == 2 and "unknown collective" in proc.stderr
+
+
+def test_bench_takes_the_old_algorithms_flag_with_a_warning() -> None:
+    args = ["-m", "mpidl", "bench", "--algorithms", "ring", "--sizes", "4K", "--repeat", "1", "--batch-time", "0.001"]
+    proc = on_rank0_quietly(mpiexec, 1, args)
+    assert proc.returncode == 0 and "--algorithms is deprecated" in proc.stderr, proc.stderr
+    assert " ring " in proc.stdout and " butterfly " not in proc.stdout, proc.stdout

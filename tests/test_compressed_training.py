@@ -58,14 +58,14 @@ def test_allreduce_keeps_one_model_with_every_compressor(spec: str, size: int) -
     """Torch, in several buckets: the same bits with and without overlap and on every
     rank, the same bytes; numpy (a 6 x 8 model, one bucket): the same bits on every rank."""
     comm = comm_of_size(size)
-    on, algo = run_torch(comm, True, compression=spec, algorithm="ring")
-    off, plain = run_torch(comm, False, compression=spec, algorithm="ring")
+    on, algo = run_torch(comm, True, compression=spec, collective="ring")
+    off, plain = run_torch(comm, False, compression=spec, collective="ring")
     ok = algo.overlap and not plain.overlap and len(algo.buckets) >= 3
     ok &= torch.equal(on, off) and same_everywhere(comm, on) and algo.bytes_sent == plain.bytes_sent
     ok &= (algo.compression is None) == (spec == "none")
     x = np.zeros((6, 8), np.float32)
     with algorithms.AllReduceSGD(
-        x, SGD(x, lr=0.1, momentum=0.9), comm, compression=spec, algorithm="ring"
+        x, SGD(x, lr=0.1, momentum=0.9), comm, compression=spec, collective="ring"
     ) as numpy_algo:
         for t in range(5):
             numpy_algo.step(gradient(x, comm.Get_rank(), t))
@@ -83,7 +83,7 @@ def test_without_overlap_a_compressed_gradient_is_one_bucket(monkeypatch: pytest
     def plan(overlap: bool, **options: Any) -> tuple[int, torch.Tensor]:
         model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with algorithms.AllReduceSGD(model, opt, comm, overlap=overlap, algorithm="ring", **options) as algo:
+        with algorithms.AllReduceSGD(model, opt, comm, overlap=overlap, collective="ring", **options) as algo:
             for x, y in batches(comm, 2):
                 algo.zero_grad()
                 loss(model, x, y).backward()
@@ -102,9 +102,9 @@ def test_no_compression_is_the_uncompressed_path() -> None:
     """ "none" is today's path: the same bits, and on one node the gradients in shared
     memory; a compressed run uses the ordinary flat gradient."""
     comm = WORLD
-    plain, algo = run_torch(comm, False, algorithm="shm")
-    none, same = run_torch(comm, False, compression="none", algorithm="shm")
-    _, compressed = run_torch(comm, False, compression="fp16", algorithm="shm")
+    plain, algo = run_torch(comm, False, collective="shm")
+    none, same = run_torch(comm, False, compression="none", collective="shm")
+    _, compressed = run_torch(comm, False, compression="fp16", collective="shm")
     ok = torch.equal(plain, none) and same.resident == algo.resident and not compressed.resident
     assert all_ok(comm, ok and same.compression is None and compressed.compression is not None)
 
@@ -123,7 +123,7 @@ def test_error_feedback_defaults_switch_and_state() -> None:
         ("qsgd:127", True, {"residual", "server"}),
         ("powersgd:2", None, {"residual"}),
     ]:
-        options = {"compression": spec, "error_feedback": on, "algorithm": "ring"}
+        options = {"compression": spec, "error_feedback": on, "collective": "ring"}
         with algorithms.AllReduceSGD(x, SGD(x, lr=0.1), comm, **options) as algo:
             assert algo.compression is not None
             algo.step(np.arange(40.0) * (comm.Get_rank() + 1))
@@ -159,7 +159,7 @@ def test_local_momentum_defaults_and_state() -> None:
     def run(steps: int, state: dict | None = None) -> tuple[np.ndarray, dict]:
         x = np.zeros((5, 8)) if state is None else state["x"].copy()
         opt = SGD(x, lr=0.1, momentum=0.9, weight_decay=0.01)
-        with algorithms.AllReduceSGD(x, opt, comm, compression="sign", algorithm="ring") as algo:
+        with algorithms.AllReduceSGD(x, opt, comm, compression="sign", collective="ring") as algo:
             if state is not None:
                 algo.load_state_dict(state)
             for t in range(steps):
@@ -185,7 +185,7 @@ def test_local_momentum_is_the_optimizers_momentum_when_nothing_is_dropped(size:
         for local in (True, None):
             x = np.zeros((5, 8))
             compress = {"compression": "randk:1", "local_momentum": True} if local else {}
-            with algorithms.AllReduceSGD(x, SGD(x, lr=0.1, **options), comm, algorithm="ring", **compress) as algo:
+            with algorithms.AllReduceSGD(x, SGD(x, lr=0.1, **options), comm, collective="ring", **compress) as algo:
                 for t in range(6):
                     algo.step(gradient(x, rank, t))
             runs.append(x)
@@ -222,7 +222,7 @@ def test_a_grad_scaler_skips_one_overflow_and_trains_on(spec: str) -> None:
         model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
-        options = {"compression": spec, "error_feedback": True, "overlap": False, "algorithm": "ring"}
+        options = {"compression": spec, "error_feedback": True, "overlap": False, "collective": "ring"}
         with algorithms.AllReduceSGD(model, opt, comm, **options) as algo:
             for t, (x, y) in enumerate(batches(comm, 6)):
                 if leave_out and t == 2:
@@ -301,7 +301,7 @@ def test_compression_starts_after_the_uncompressed_steps(size: int) -> None:
     rank, ok, at_three = comm.Get_rank(), True, {}
     for options in ({}, {"compression": "sign", "compression_start": 3}):
         x = np.zeros((6, 8), np.float32)
-        with algorithms.AllReduceSGD(x, SGD(x, lr=0.1), comm, algorithm="ring", **options) as algo:
+        with algorithms.AllReduceSGD(x, SGD(x, lr=0.1), comm, collective="ring", **options) as algo:
             for t in range(5):
                 algo.step(gradient(x, rank, t))
                 memory = algo.state_dict().get("residual")
@@ -322,7 +322,7 @@ def test_the_aggregation_chosen_in_the_spec(size: int) -> None:
     comm = comm_of_size(size)
     n, ok, sent = comm.Get_size(), True, {}
     for spec in ("sign", "sign@allgather"):
-        params, algo = run_torch(comm, False, compression=spec, algorithm="ring")
+        params, algo = run_torch(comm, False, compression=spec, collective="ring")
         sent[spec] = comm.allreduce(algo.bytes_sent)
         ok &= same_everywhere(comm, params) and algo.compression is not None and algo.local_momentum is not None
         ok &= algo.compression.feedback[0].compressor.aggregation == ("allgather" if "@" in spec else "reduce_scatter")
@@ -361,7 +361,7 @@ def test_lsgd_compresses_among_the_groups_only() -> None:
     runs = {}
     for spec in (None, "fp16", "topk:0.25"):
         x = np.zeros(16, np.float32)
-        with algorithms.LSGD(x, SGD(x, lr=0.5), comm, layout=2, algorithm="ring", compression=spec) as algo:
+        with algorithms.LSGD(x, SGD(x, lr=0.5), comm, layout=2, collective="ring", compression=spec) as algo:
             for t in range(6):
                 algo.step(np.round(4 * np.sin(np.arange(16.0) * (rank + 1) + t)).astype(np.float32))
             runs[spec] = (x.copy(), algo.bytes_sent, algo.representative, algo.state_dict())
@@ -466,7 +466,7 @@ def test_bytes_per_step_against_the_uncompressed_ring() -> None:
         pytest.skip("the ratios are those of four ranks")
 
     def per_step(hidden: tuple[int, ...], **options: Any) -> float:
-        cfg = config(**options, algorithm="ring")
+        cfg = config(**options, collective="ring")
         cfg.hidden, cfg.epochs, cfg.train_samples, cfg.test_samples = hidden, 1, 128, 32
         return train(cfg, WORLD).epochs[-1]["bytes_per_step_mean"]
 

@@ -130,9 +130,9 @@ def test_bytes_per_step_against_the_ring_allreduce(spec: str, options: dict, mos
         d = mlp_layout()[1]
     c = compression.create(spec, **options)
     x = np.random.default_rng(r).standard_normal(d, dtype=np.float32)
-    c.allreduce(x.copy(), comm, algorithm="ring")  # first use: plans, calibration, memory
+    c.allreduce(x.copy(), comm, collective="ring")  # first use: plans, calibration, memory
     before = bytes_sent()
-    c.allreduce(x, comm, residual=np.empty_like(x), algorithm="ring", validate=False)
+    c.allreduce(x, comm, residual=np.empty_like(x), collective="ring", validate=False)
     sent = bytes_sent() - before
     assert sent == expected_bytes(c, d, n, r)
     total = comm.allreduce(sent)
@@ -155,9 +155,9 @@ def test_hierarchical_sends_the_compressed_slices_across_nodes(spec: str, monkey
     c = compression.create(f"{spec}@hierarchical")
     inputs = [np.random.default_rng(i).standard_normal(d, dtype=np.float32) * (i + 1) for i in range(n)]
     x = inputs[r].copy()
-    c.allreduce(x.copy(), comm, algorithm="ring")  # first use: communicators, memory
+    c.allreduce(x.copy(), comm, collective="ring")  # first use: communicators, memory
     peers_before = dict(bytes_by_peer())
-    c.allreduce(x, comm, "avg", algorithm="ring", validate=False)
+    c.allreduce(x, comm, "avg", collective="ring", validate=False)
     sent = {p: b - peers_before.get(p, 0) for p, b in bytes_by_peer().items()}
     ok = spread(comm, x) == 0
     k, q = -(-n // 2), 2
@@ -181,7 +181,7 @@ def test_the_ring_formula_is_the_ring() -> None:
     for length in (1, 7, 1000):
         x = np.ones(length, np.float32)
         before = bytes_sent()
-        collectives.allreduce(x, comm, algorithm="ring", validate=False)
+        collectives.allreduce(x, comm, collective="ring", validate=False)
         assert bytes_sent() - before == ring_bytes(length, 4, n, r)
 
 
@@ -219,10 +219,10 @@ def test_error_feedback_conserves_the_signal(spec: str, aggregation: str, monkey
         given += g
         grads[:] = g
         if spec.startswith("powersgd"):
-            ef.allreduce(grads, comm, algorithm="ring")
+            ef.allreduce(grads, comm, collective="ring")
         else:
-            ef.allreduce(grads[:half], comm, algorithm="ring")
-            ef.allreduce(grads[half:], comm, offset=half, algorithm="ring")
+            ef.allreduce(grads[:half], comm, collective="ring")
+            ef.allreduce(grads[half:], comm, offset=half, collective="ring")
         applied += grads
         magnitude += (np.abs(g) + n * np.abs(grads)) / getattr(c, "ratio", 1)  # random-k scales by d/k
     assert ef.residual is not None and (ef.server is not None) == (c.aggregation in ("reduce_scatter", "hierarchical"))
@@ -254,7 +254,7 @@ def test_a_non_finite_step_leaves_error_feedback_as_it_was(spec: str) -> None:
             rank, value = skipped.get(t, (-1, 0.0))
             if r == rank:
                 g[d // 3] = value
-            ef.allreduce(g, comm, algorithm="ring")
+            ef.allreduce(g, comm, collective="ring")
             out.append(g)
         return out, ef
 
@@ -301,7 +301,7 @@ def test_error_feedback_refuses_before_it_changes_anything() -> None:
     residual = ef.residual.copy()
     calls = [
         (np.ones(8), {"comm": MPI.COMM_SELF, "op": "max"}, "supports ops sum, avg"),
-        (np.ones(8), {"comm": MPI.COMM_SELF, "algorithm": "nope"}, "unknown algorithm 'nope'"),
+        (np.ones(8), {"comm": MPI.COMM_SELF, "collective": "nope"}, "unknown collective 'nope'"),
         (np.ones(8, np.float32), {"comm": MPI.COMM_SELF}, "the residual .* must match"),
         (np.ones(8), {"comm": comm, "op": "max" if r == 0 else "avg", "validate": True}, "disagree|not 'max'"),
     ]
@@ -361,7 +361,7 @@ def test_powersgd_reproduces_a_rank_r_mean_exactly(size: int, dtype: str) -> Non
         x = x.astype(dtype)
         mean = np.mean(comm.allgather(x), axis=0)
         y = x.copy()
-        c.allreduce(y, comm, algorithm="ring")
+        c.allreduce(y, comm, collective="ring")
         tolerance = (1e-5 if dtype == "float32" else 1e-13) * np.abs(mean).max()
         ok &= bool(np.allclose(y, mean, rtol=0, atol=tolerance))
         ok &= len(set(comm.allgather(y.tobytes()))) == 1
@@ -472,7 +472,7 @@ def test_bad_arguments_raise_on_every_rank_and_move_nothing() -> None:
             "[0]: qsgd:127 allreduce needs a floating-point",
         ),
         (lambda: qsgd.allreduce(x, comm, op="max"), "supports ops sum, avg, not 'max'"),
-        (lambda: qsgd.allreduce(x, comm, algorithm="fastest"), "unknown algorithm 'fastest'"),
+        (lambda: qsgd.allreduce(x, comm, collective="fastest"), "unknown collective 'fastest'"),
         (lambda: qsgd.allreduce(x, comm, residual=np.zeros(10 + (r == 0), np.float32)), "must match the buffer"),
         (lambda: qsgd.allreduce(x, comm, server=np.zeros(10, np.float64)), "the server memory (10 float64) must"),
         (lambda: build("powersgd:1", 10 if r else 12).allreduce(x, comm), "[0]: powersgd: the layout covers 12"),

@@ -64,7 +64,7 @@ def train(comm: MPI.Comm, options: dict[str, Any], fuse: bool | None, steps: int
     """``steps`` AllReduce-SGD steps with an LR schedule; the snapshot after them and the
     algorithm (closed)."""
     model, opt = model_and_optimizer(options)
-    algo = algorithms.AllReduceSGD(model, opt, comm, algorithm=SHM, fuse_update=fuse, bucket_mb=SMALL_BUCKETS)
+    algo = algorithms.AllReduceSGD(model, opt, comm, collective=SHM, fuse_update=fuse, bucket_mb=SMALL_BUCKETS)
     schedule = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
     for step in range(steps):
         algo.zero_grad()
@@ -103,7 +103,7 @@ def test_fused_steps_mix_with_synchronize_and_a_loaded_optimizer_state() -> None
 
     def run(fuse: bool | None) -> tuple[list, bool]:
         model, opt = model_and_optimizer({"momentum": 0.9})
-        algo = algorithms.AllReduceSGD(model, opt, comm, algorithm=SHM, fuse_update=fuse, bucket_mb=SMALL_BUCKETS)
+        algo = algorithms.AllReduceSGD(model, opt, comm, collective=SHM, fuse_update=fuse, bucket_mb=SMALL_BUCKETS)
         active = algo.fused_update is not None
         saved = None
         for step in range(6):
@@ -137,7 +137,7 @@ def test_views_taken_before_close_stay_valid() -> None:
     memory lasts as long as a view of it)."""
     comm = MPI.COMM_WORLD
     model, opt = model_and_optimizer({"momentum": 0.9})
-    algo = algorithms.AllReduceSGD(model, opt, comm, algorithm=SHM, bucket_mb=SMALL_BUCKETS)
+    algo = algorithms.AllReduceSGD(model, opt, comm, collective=SHM, bucket_mb=SMALL_BUCKETS)
     for step in range(2):
         algo.zero_grad()
         backward(model, comm, step)
@@ -159,7 +159,7 @@ def test_fuse_update_errors_name_the_reason() -> None:
     cases: list[tuple[dict[str, Any], str]] = [
         ({"fuse_update": "yes"}, "fuse_update must be"),
         ({"fuse_update": True, "overlap": True}, "overlap"),
-        ({"fuse_update": True, "algorithm": "ring"}, "shared memory"),
+        ({"fuse_update": True, "collective": "ring"}, "shared memory"),
         ({"fuse_update": True, "compression": "fp16"}, "compressed"),
     ]
     if comm.Get_size() == 1:
@@ -211,7 +211,7 @@ def test_workers_with_their_own_models_are_not_fused() -> None:
             for p in model.parameters():
                 p.mul_(1 + comm.Get_rank())
         with algorithms.AllReduceSGD(
-            model, opt, comm, algorithm=SHM, fuse_update=fuse, bucket_mb=SMALL_BUCKETS, broadcast_init=False
+            model, opt, comm, collective=SHM, fuse_update=fuse, bucket_mb=SMALL_BUCKETS, broadcast_init=False
         ) as algo:
             for step in range(3):
                 algo.zero_grad()
@@ -224,7 +224,7 @@ def test_workers_with_their_own_models_are_not_fused() -> None:
     ok &= comm.Get_size() == 1 or len(set(comm.allgather(own[0].numpy().tobytes()))) == comm.Get_size()
     model, opt = model_and_optimizer({"momentum": 0.9})
     with pytest.raises(ArgumentError, match=r"fuse_update=True, but the workers keep their own models"):
-        algorithms.AllReduceSGD(model, opt, comm, algorithm=SHM, fuse_update=True, broadcast_init=False)
+        algorithms.AllReduceSGD(model, opt, comm, collective=SHM, fuse_update=True, broadcast_init=False)
     assert all_ok(comm, ok)
 
 

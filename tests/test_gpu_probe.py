@@ -27,7 +27,7 @@ def unprobed(monkeypatch: pytest.MonkeyPatch, direct: str) -> None:
 def exact_on_device(comm: MPI.Comm) -> bool:
     """All-reduce 10**rank in a device array on ``comm``; whether the sum is exact."""
     x = fake_cupy.on(0, np.full(5, 10.0 ** comm.Get_rank()))
-    collectives.allreduce(x, comm, algorithm="ring")
+    collectives.allreduce(x, comm, collective="ring")
     return bool(np.all(x.host == sum(10.0**r for r in range(comm.Get_size()))))
 
 

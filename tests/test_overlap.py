@@ -67,8 +67,8 @@ def test_a_service_thread_waits_without_spinning() -> None:
     cost it a small part of the wait in CPU time, with the right sums."""
     import time
 
-    from algorithms.background import Background
     from collectives.transport import p2p
+    from collectives.transport.background import Background
 
     comm = comm_of_size(2)
     if comm.size < 2:
@@ -188,7 +188,7 @@ def test_gradients_in_shared_memory_are_averaged_as_shm_averages(overlap: bool) 
     comm = MPI.COMM_WORLD
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    algo = algorithms.AllReduceSGD(model, opt, comm, algorithm="shm", overlap=overlap, bucket_mb=SMALL_BUCKETS)
+    algo = algorithms.AllReduceSGD(model, opt, comm, collective="shm", overlap=overlap, bucket_mb=SMALL_BUCKETS)
     x, y = batches(comm, 1)[0]
     algo.zero_grad()
     with algo.no_sync():  # nothing in flight yet: the local gradient can be read
@@ -227,8 +227,8 @@ def test_allreduce_overlap_gives_the_same_bits(size: int, collective: str, monke
     block), the plain step blocks (one segment): the same bits."""
     monkeypatch.setattr(exchange, "POLLED_SEGMENT", 24)
     comm = comm_of_size(size)
-    on, algo = run_allreduce(comm, True, algorithm=collective)
-    off, plain = run_allreduce(comm, False, algorithm=collective)
+    on, algo = run_allreduce(comm, True, collective=collective)
+    off, plain = run_allreduce(comm, False, collective=collective)
     ok = algo.overlap and not plain.overlap and len(algo.buckets) >= 3
     ok &= torch.equal(on, off) and same_everywhere(comm, on)
     ok &= algo.bytes_sent == plain.bytes_sent and algo.iterations == 5
@@ -240,7 +240,7 @@ def test_torch_cpu_models_overlap_with_spare_cores_numpy_models_cannot() -> None
     model = mlp()
     spare = spare_cores(comm)
     with algorithms.AllReduceSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), comm) as algo:
-        ok = algo.overlap == spare and all(isinstance(a, str) for a in algo.bucket_algorithms)
+        ok = algo.overlap == spare and all(isinstance(a, str) for a in algo.bucket_collectives)
     with algorithms.DPSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), comm) as mixing:
         ok &= mixing.overlap == spare
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -427,15 +427,16 @@ def test_dpsgd_half_precision_overlap() -> None:
 
 def test_step_bench_times_every_candidate(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tmp_path_factory.mktemp("stepbench") / "steps.json"
+    # shm named: auto may choose another collective on this machine, and the update fuses with shm only
     args = ["--hidden", "32", "--steps", "2", "--repeat", "2", "--warmup", "1", "--bucket-mb", "0.001"]
-    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "step-bench", *args, "--json", str(out)])
+    proc = on_rank0_quietly(mpiexec, 2, ["-m", "mpidl", "step-bench", *args, "--collective", "shm", "--json", str(out)])
     assert proc.returncode == 0, proc.stderr
     data = on_rank0_quietly(lambda: json.loads(out.read_text()))
     names = [r["name"] for r in data["results"]]
     assert names == [
         *("local", "comm", "allreduce", "allreduce-unfused", "allreduce+overlap", "dpsgd", "dpsgd+overlap", "ddp")
     ]
-    assert data["meta"]["fused"] is True  # one node, shm, SGD
+    assert data["meta"]["fused"] is True and data["meta"]["bucket_collectives"] == ["shm", "shm"]  # one node, SGD
     assert all(r["time"] > 0 and len(r["samples"]) == 2 for r in data["results"])
     assert data["meta"]["model"] == "MLP 64-32-10" and data["meta"]["ranks"] == 2 and data["meta"]["device"] == "cpu"
     assert data["meta"]["buckets"] == [4 * (10 + 320), 4 * (32 + 2048)]  # 0.001 MiB: closed at 262 floats

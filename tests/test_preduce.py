@@ -49,7 +49,7 @@ def test_every_group_kernel_averages_bitwise_identically(algorithm: str) -> None
     n, r = comm.Get_size(), comm.Get_rank()
     start = [np.linspace(-1, 1, 7) * (m + 1) + m / 7 for m in range(n)]
     x = start[r].copy()
-    with PReduce(x, comm, group_size=min(3, n), policy="static", seed=5, algorithm=algorithm) as pr:
+    with PReduce(x, comm, group_size=min(3, n), policy="static", seed=5, collective=algorithm) as pr:
         pr.average()
     group, everyone = pr.last_group, comm.allgather(x.tobytes())
     expected = sum(start[m] for m in group) / len(group)
@@ -226,7 +226,7 @@ def test_empty_buffer_still_takes_part() -> None:
         (dict(group_size=0), "group_size"),
         (dict(group_size=10_000), "group_size"),
         (dict(policy="fastest"), "unknown policy"),
-        (dict(algorithm="tree"), "unknown algorithm"),
+        (dict(collective="tree"), "unknown collective"),
         (dict(period=0), "period"),
         (dict(seed=-1), "seed"),
         (dict(service_rank=10_000), "service_rank"),

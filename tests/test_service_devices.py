@@ -23,10 +23,11 @@ from mpitest import all_ok, comm_of_size, gather_failures
 
 import algorithms
 import algorithms.base
-from algorithms.background import Background
+import collectives.transport.background
 from algorithms.flat import FlatParams
 from collectives import FlatBuffer, as_flat
 from collectives.transport import gpu
+from collectives.transport.background import Background
 
 DIM = 10
 
@@ -105,7 +106,7 @@ def test_background_hands_a_device_failure_to_every_task(monkeypatch: pytest.Mon
     def broken(device: int | None) -> None:
         raise RuntimeError(f"device {device} is gone")
 
-    monkeypatch.setattr(algorithms.background, "use_device", broken)
+    monkeypatch.setattr(collectives.transport.background, "use_device", broken)
     service = Background("broken", 1)
     for _ in range(2):
         service.submit(lambda: None)
@@ -172,7 +173,7 @@ def test_service_threads_work_on_the_models_device(
         if comm.allreduce(x.sum()) != comm.allreduce(x0.sum()):
             failures.append(f"{name}: the sum of the models changed")
     layout, representatives = LAYOUTS[n]
-    x = run("lsgd", {"layout": layout, "algorithm": "ring"}, comm, x0, np.full(DIM, r + 1.0))
+    x = run("lsgd", {"layout": layout, "collective": "ring"}, comm, x0, np.full(DIM, r + 1.0))
     expected = x0 - (11 if n > 1 else 12) * ((n + 1) / 2)
     if not np.array_equal(x, expected):
         failures.append(f"lsgd: model {x}, expected {expected}")
@@ -199,7 +200,7 @@ def test_service_threads_work_on_the_models_device(
 @pytest.mark.mpi
 @pytest.mark.parametrize("size", [2, 4])
 def test_lsgd_resolves_auto_for_device_memory_before_its_steps(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
-    """LSGD with ``algorithm="auto"`` on a device model has the device cost model
+    """LSGD with ``collective="auto"`` on a device model has the device cost model
     calibrated when it starts, so the steps count only their own messages (on an H100
     its first step had counted the calibration's exchanges: 274x the model per step)."""
     comm = comm_of_size(size)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpitest import mpiexec, on_rank0_quietly
 
-from algorithms.background import Background
+from collectives.transport.background import Background
 
 
 @pytest.mark.mpi
@@ -17,15 +17,24 @@ from algorithms.background import Background
 def test_service_threads_are_refused_below_thread_multiple(ranks: int) -> None:
     """Under ``MPI_THREAD_SERIALIZED`` every part that would start a thread making MPI
     calls (Prague's and P-Reduce's group generator, AD-PSGD, LSGD, the step budget)
-    raises an ArgumentError that says why, on every rank, in bounded time; static
-    Prague, which starts none, is created."""
+    raises an ArgumentError that says why, on every rank, in bounded time (the
+    nonblocking all-reduce at its first call); static Prague, which starts none, is
+    created."""
     proc = on_rank0_quietly(mpiexec, ranks, ["tests/scripts/thread_level.py"], timeout=60)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     every = json.loads(proc.stdout)
     assert len(every) == ranks
     for outcomes in every:
         assert outcomes.pop("prague-static") == "created"
-        assert outcomes.keys() == {"prague", "prague-random", "preduce", "adpsgd", "lsgd", "step-budget"}
+        assert outcomes.keys() == {
+            "prague",
+            "prague-random",
+            "preduce",
+            "adpsgd",
+            "lsgd",
+            "step-budget",
+            "allreduce-async",
+        }
         for case, outcome in outcomes.items():
             assert (
                 outcome.startswith("raised ")

@@ -50,7 +50,7 @@ def test_pieces_and_their_boundaries(size: int, replicate: int, monkeypatch: pyt
 @pytest.mark.parametrize("layout", [None, "2", "4,2"])
 def test_pieces_on_six_ranks(layout: str | None) -> None:
     """Sliced pieces on a node of six ranks, and on emulated nodes of several."""
-    args = ["tests/allreduce_matrix.py", "--algorithms", "shm", "--shm-piece", "40"]
+    args = ["tests/allreduce_matrix.py", "--collectives", "shm", "--shm-piece", "40"]
     proc = on_rank0_quietly(mpiexec, 6, args + (["--layout", layout] if layout else []), timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -69,7 +69,7 @@ def test_disagreement_after_the_plan_exists(algorithm: str) -> None:
         pytest.skip("needs two ranks")
     for _ in range(2):
         x = np.arange(6, dtype=np.float32)
-        collectives.allreduce(x, comm, algorithm=algorithm)
+        collectives.allreduce(x, comm, collective=algorithm)
     assert all_ok(comm, bool(np.all(x == np.arange(6) * comm.Get_size())))
     if algorithm == "shm":  # the bound call carries the check in the segment
         assert any(call.carrier is not None for call in context(comm).calls.values())
@@ -81,12 +81,12 @@ def test_disagreement_after_the_plan_exists(algorithm: str) -> None:
     for x, match in cases:
         before = x.copy()
         with pytest.raises(ArgumentError) as info:
-            collectives.allreduce(x, comm, algorithm=algorithm)
+            collectives.allreduce(x, comm, collective=algorithm)
         text = str(info.value)
         assert all_ok(comm, len(set(comm.allgather(text))) == 1 and match in text), text
         assert np.array_equal(x, before)
     x = np.arange(6, dtype=np.float32)
-    collectives.allreduce(x, comm, algorithm=algorithm)  # and the segment still works
+    collectives.allreduce(x, comm, collective=algorithm)  # and the segment still works
     assert all_ok(comm, bool(np.all(x == np.arange(6) * comm.Get_size())))
 
 
@@ -99,14 +99,14 @@ def fail_once(comm: MPI.Comm, algorithm: str, length: int, kind: str = "length")
     if comm.Get_size() == 1:
         return
     with pytest.raises(ArgumentError, match="length differs" if kind == "length" else "read-only"):
-        collectives.allreduce(x, comm, algorithm=algorithm)
+        collectives.allreduce(x, comm, collective=algorithm)
     assert np.all(x == 1)
 
 
 def exact(comm: MPI.Comm, algorithm: str, length: int) -> bool:
     """All-reduce 10**rank (an exact sum in float64) and say whether every element is right."""
     x = np.full(length, 10.0 ** comm.Get_rank())
-    collectives.allreduce(x, comm, algorithm=algorithm)
+    collectives.allreduce(x, comm, collective=algorithm)
     return bool(np.all(x == sum(10.0**r for r in range(comm.Get_size()))))
 
 
@@ -164,8 +164,8 @@ def test_segment_allocated_once_and_freed_with_the_communicator() -> None:
     comm = MPI.COMM_WORLD.Dup()
     ctx = context(comm)
     for n in (10, 100_000, 3, 1_000_000):
-        collectives.allreduce(np.ones(n), comm, algorithm="shm")
-        collectives.allreduce(np.ones(n), comm, algorithm="ring")  # the check uses the same segment
+        collectives.allreduce(np.ones(n), comm, collective="shm")
+        collectives.allreduce(np.ones(n), comm, collective="ring")  # the check uses the same segment
         seg = shm.shared(ctx)
         if n == 10:
             first = seg
@@ -245,7 +245,7 @@ try:
             with open(sys.argv[1], "w") as f:
                 f.write(repr(time.time()))
             os._exit(0)
-        collectives.allreduce(x, comm, algorithm="shm")
+        collectives.allreduce(x, comm, collective="shm")
 except collectives.CollectiveError as exc:
     with open(sys.argv[1]) as f:
         print(f"rank {comm.rank} after {time.time() - float(f.read()):.1f} s: {exc}", flush=True)
@@ -281,7 +281,7 @@ def test_concurrent_communicators_on_threads() -> None:
         ok = True
         for step in range(50):
             x = np.full(1000 + 4000 * k, r + step + k, dtype=np.int64)
-            collectives.allreduce(x, comms[k], algorithm="shm", validate=step % 2 == 0)
+            collectives.allreduce(x, comms[k], collective="shm", validate=step % 2 == 0)
             ok &= bool(np.all(x == n * (step + k) + n * (n - 1) // 2))
         results[k] = ok
 
@@ -300,6 +300,6 @@ def test_bytes_counted_are_the_bytes_published() -> None:
     comm = MPI.COMM_WORLD
     x = np.ones(1000, np.float64)
     before = p2p.bytes_sent()
-    collectives.allreduce(x, comm, algorithm="shm", validate=False)
+    collectives.allreduce(x, comm, collective="shm", validate=False)
     sent = p2p.bytes_sent() - before
     assert all_ok(comm, sent == (x.nbytes if comm.Get_size() > 1 else 0)), sent

@@ -74,20 +74,20 @@ def test_invalid_grid_is_reported_on_every_rank() -> None:
     comm = MPI.COMM_WORLD
     x = np.ones(4)
     with pytest.raises(ArgumentError, match=r"X \* Y must equal the number of ranks") as info:
-        collectives.allreduce(x, algorithm="torus2d", grid=(comm.Get_size() + 1, 1))
+        collectives.allreduce(x, collective="torus2d", grid=(comm.Get_size() + 1, 1))
     assert all_ok(comm, len(set(comm.allgather(str(info.value)))) == 1 and bool(np.all(x == 1)))
     with pytest.raises(ArgumentError, match="grid must be a pair"):
-        collectives.allreduce(x, algorithm="torus2d", grid="2x2")
+        collectives.allreduce(x, collective="torus2d", grid="2x2")
 
 
 def test_sub_communicators_are_built_once() -> None:
     comm = MPI.COMM_WORLD
     x = np.ones(8)
-    collectives.allreduce(x, algorithm="torus2d", layout="1")
+    collectives.allreduce(x, collective="torus2d", layout="1")
     cached = dict(context(comm).cache)
-    collectives.allreduce(x, algorithm="torus2d", layout="1")
-    collectives.allreduce(x, algorithm="hierarchical_ring", layout="1")
-    collectives.allreduce(x, algorithm="hierarchical_ring", layout="1")
+    collectives.allreduce(x, collective="torus2d", layout="1")
+    collectives.allreduce(x, collective="hierarchical_ring", layout="1")
+    collectives.allreduce(x, collective="hierarchical_ring", layout="1")
     after = context(comm).cache
     assert all(after[k] is v for k, v in cached.items())
     assert len([k for k in after if k not in cached]) <= 2  # the hierarchical plan and its node communicators
@@ -98,7 +98,7 @@ def test_real_multi_node_layout() -> None:
     proc = on_rank0_quietly(
         mpiexec,
         4,
-        ["tests/allreduce_matrix.py", "--algorithms", ",".join(TOPOLOGY_AWARE)],
+        ["tests/allreduce_matrix.py", "--collectives", ",".join(TOPOLOGY_AWARE)],
         hosts="a:2,b:2",
         timeout=240,
     )

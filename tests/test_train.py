@@ -320,10 +320,66 @@ def test_grsgd_takes_equal_steps_within_its_lead(tmp_path_factory: pytest.TempPa
     assert last["bytes_per_step_max"] <= 2 * run["meta"]["model_bytes"] and last["consensus"] < 1e-2
 
 
+def test_paced_workers_see_one_seeded_schedule_and_the_slow_one_is_named(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """4 paced workers (20 ms a step), rank 3 4x slow, random slowdowns x2: AllReduce-SGD
+    and D-PSGD slow the same steps of each worker (the schedule of mpidl.slowdowns for the
+    seed), every step computes at least its factor x 20 ms, and the report names rank 3."""
+    from mpidl.slowdowns import RandomSlowdown, Slowdowns
+
+    out = tmp_path_factory.mktemp("paced")
+    spec = "p=0.3,F=2,P=2"
+    runs = {}
+    for algorithm, extra in (("allreduce", ["--collective", "ring"]), ("dpsgd", [])):
+        path = out / f"{algorithm}.json"
+        rc, stdout, stderr = train(
+            4,
+            "--algorithm",
+            algorithm,
+            *extra,
+            "--backend",
+            "numpy",
+            "--train-samples",
+            "512",
+            "--step-time",
+            "20ms",
+            "--slow",
+            "3:4",
+            "--slowdown",
+            spec,
+            "--seed",
+            "3",
+            "--json",
+            str(path),
+            *QUICK,
+        )
+        assert rc == 0, stderr
+        assert "paced 20 ms per step" in stdout and "slowest worker: rank 3," in stdout, stdout
+        assert len([line for line in stdout.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]) == 4
+        runs[algorithm] = read(path)
+    steps = 8  # 512 samples, 4 workers, batches of 32: 4 steps an epoch, 2 epochs
+    schedule = [
+        [Slowdowns(r, {3: 4.0}, RandomSlowdown(0.3, 2.0, 2), 3).factor(k) for k in range(steps)] for r in range(4)
+    ]
+    for run in runs.values():
+        meta, workers = run["meta"], run["workers"]
+        assert meta["step_time_s"] == 0.02 and meta["polled_waits"] and meta["slow"] == {"3": 4.0}
+        assert meta["slowdown"] == {"p": 0.3, "F": 2.0, "P": 2, "seed": None}
+        assert workers["steps"] == [steps] * 4
+        assert workers["slowed_steps"] == [sum(f > 1 for f in factors) for factors in schedule]
+        for r, factors in enumerate(schedule):
+            assert workers["mean_s"]["compute"][r] >= 0.99 * 0.02 * sum(factors) / steps
+        assert workers["slowest"]["rank"] == 3 and workers["slowest"]["ratio"] > 1.5
+        assert len(workers["cpu"]["cpu_s"]) == 4 and workers["cpu"]["wall_s"] > 0
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
         (["--resume"], "--resume needs --checkpoint DIR"),
+        (["--step-time", "150"], "expected a positive time with its unit, e.g. 150ms or 0.2s, got '150'"),
+        (["--slowdown", "p=2,F=4,P=1"], "the probability p must be in [0, 1], got 2.0"),
         (["--algorithm", "nope"], "invalid choice: 'nope'"),
         (["--slow", "3"], "bad --slow '3': use RANK:FACTOR"),
         (["--slow", "2:3"], "--slow names rank(s) [2], but there are only 2 ranks"),

@@ -4,6 +4,7 @@ and a damaged dataset file, named on every rank."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import importlib.util
 import os
@@ -97,8 +98,7 @@ def test_mnist_is_read_by_the_same_loader(tmp_path) -> None:
         (
             "fashion-mnist",
             [
-                "one of three ways: Debian's package dataset-fashion-mnist installs them in "
-                "/usr/share/datasets/fashion-mnist",
+                "one of three ways: Debian's package dataset-fashion-mnist installs them in {package}",
                 "'mpidl data fetch --dataset fashion-mnist' downloads them and checks their SHA-256 (into {home}",
                 "--data-dir DIR reads them from a folder of yours (torchvision's FashionMNIST(ROOT, download=True) "
                 "puts them in ROOT/FashionMNIST/raw)",
@@ -112,15 +112,20 @@ def test_missing_idx_files_say_how_to_get_them(
 ) -> None:
     """Without the files, the error names where it looked and the ways to get them (Debian's
     package where there is one, ``mpidl data fetch``, ``--data-dir``); with a ``--data-dir``
-    the fetch goes there."""
+    the fetch goes there. The package's folder is moved to one that does not exist (where the
+    package is installed, as in CI, the files would be found)."""
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     home = f"{tmp_path}/mpidl/{name}"
+    package = str(tmp_path / "package")
+    source = data.IDX_DATASETS[name]
+    if source.package_dir:
+        monkeypatch.setitem(data.IDX_DATASETS, name, dataclasses.replace(source, package_dir=package))
     with pytest.raises(data.DatasetError) as exc:
         data.load_idx(name)
     message = str(exc.value)
     assert message.startswith(f"train-images-idx3-ubyte[.gz] not found in {' or '.join(data.default_dirs(name))}; ")
     assert data.default_dirs(name)[-1] == home
-    assert all(way.format(home=home) in message for way in ways), message
+    assert all(way.format(home=home, package=package) in message for way in ways), message
     with pytest.raises(
         data.DatasetError, match=rf"'mpidl data fetch --dataset {name} --data-dir /none' .* \(into /none\)"
     ):
@@ -357,7 +362,7 @@ def test_slow_parsing() -> None:
 
 def test_algorithm_options_go_to_the_algorithms_that_take_them() -> None:
     cfg = config_from_args(_args("--algorithm", "lsgd", "--collective", "ring", "--layout", "2"))
-    assert cfg.options == {"algorithm": "ring", "layout": "2"}
+    assert cfg.options == {"collective": "ring", "layout": "2"}
     assert config_from_args(_args("--algorithm", "dpsgd", "--topology", "torus")).options == {"topology": "torus"}
     assert config_from_args(_args("--algorithm", "allreduce")).options == {}
     with pytest.raises(UsageError, match="--topology does not apply to --algorithm allreduce"):

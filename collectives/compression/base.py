@@ -82,8 +82,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import validation
-from ..api import ALGORITHMS, DEFAULT_ALGORITHM
-from ..errors import ArgumentError
+from ..api import COLLECTIVES, DEFAULT_COLLECTIVE
+from ..errors import ArgumentError, renamed_keyword
 from ..transport import gpu, p2p
 from ..transport.buffers import DTYPE_CODES, FLOAT_DTYPES, FlatBuffer, array_module, as_flat, dtype_code
 from ..transport.context import Context, context
@@ -276,8 +276,9 @@ class Compressor(ABC):
         *,
         residual: Any = None,
         server: Any = None,
-        algorithm: str = DEFAULT_ALGORITHM,
+        collective: str = DEFAULT_COLLECTIVE,
         validate: bool | None = None,
+        algorithm: str | None = None,
     ) -> Any:
         """Set ``buf`` on every rank of ``comm`` to the sum or average of the ranks'
         compressed ``buf`` (bitwise identical on all ranks) and return it.
@@ -286,25 +287,29 @@ class Compressor(ABC):
             buf: a C-contiguous, writable float buffer (numpy, torch, CuPy) of any
                 shape; the same length and dtype on every rank.
             comm: the communicator (default ``MPI.COMM_WORLD``); every rank calls
-                with the same compressor spec, op and algorithm.
+                with the same compressor spec, op and collective.
             op: "avg" or "sum".
             residual: None, or a buffer of ``buf``'s length and dtype that receives
                 this rank's share of what the aggregate lost (module docstring).
             server: None, or a buffer like ``residual`` that keeps the error of the
                 second encoding of ``reduce_scatter`` between calls, read and
                 updated in the part of the chunk this rank owns (module docstring).
-            algorithm: the all-reduce algorithm of the linear compressors
-                (:data:`collectives.ALGORITHMS`).
+            collective: the all-reduce algorithm of the linear compressors
+                (:data:`collectives.COLLECTIVES`).
             validate: check the arguments across ranks first (None: the default,
                 on unless ``MPIDL_VALIDATE=0``).
+            algorithm: the old name of ``collective`` (deprecated).
 
         Raises:
             ArgumentError: bad or disagreeing arguments; with validation on, on
                 every rank before any data moved.
         """
+        collective = renamed_keyword(
+            "Compressor.allreduce", "algorithm", "collective", algorithm, collective, DEFAULT_COLLECTIVE
+        )
         user = MPI.COMM_WORLD if comm is None else comm
         ctx = context(user)
-        flat, res, memory = self._checked(ctx, buf, op, residual, server, algorithm, validate)
+        flat, res, memory = self._checked(ctx, buf, op, residual, server, collective, validate)
         if type(flat.data) is not np.ndarray:
             gpu.ensure(ctx.comm, flat)
         if flat.size:
@@ -314,7 +319,7 @@ class Compressor(ABC):
             s = None if memory is None else (scratch(x, flat.size, SERVER) if half else memory.data)
             if half and memory is not None:
                 widen(memory.data, s, flat.dtype)
-            self._aggregate(x, r, Call(user, ctx, op, algorithm, s))
+            self._aggregate(x, r, Call(user, ctx, op, collective, s))
             if half:
                 narrow(x, flat.data, flat.dtype)
                 for wide, buffer in ((r, res), (s, memory)):
@@ -330,8 +335,9 @@ class Compressor(ABC):
         *,
         residual: Any = None,
         server: Any = None,
-        algorithm: str = DEFAULT_ALGORITHM,
+        collective: str = DEFAULT_COLLECTIVE,
         validate: bool | None = None,
+        algorithm: str | None = None,
     ) -> None:
         """Raise the ArgumentError that :meth:`allreduce` would raise for these arguments,
         before it moved any data (with validation on, on every rank: collective), and
@@ -340,7 +346,11 @@ class Compressor(ABC):
         Raises:
             ArgumentError: bad or disagreeing arguments.
         """
-        self._checked(context(MPI.COMM_WORLD if comm is None else comm), buf, op, residual, server, algorithm, validate)
+        collective = renamed_keyword(
+            "Compressor.check", "algorithm", "collective", algorithm, collective, DEFAULT_COLLECTIVE
+        )
+        ctx = context(MPI.COMM_WORLD if comm is None else comm)
+        self._checked(ctx, buf, op, residual, server, collective, validate)
 
     # --- what subclasses implement ------------------------------------------------
 
@@ -427,8 +437,8 @@ class Compressor(ABC):
             flat = float_buffer(buf, f"{self.spec} allreduce")
             if op not in OPS:
                 raise ArgumentError(f"compressed allreduce supports ops {', '.join(OPS)}, not {op!r}")
-            if algorithm not in ALGORITHMS:
-                raise ArgumentError(f"unknown algorithm {algorithm!r}; valid algorithms: {', '.join(ALGORITHMS)}")
+            if algorithm not in COLLECTIVES:
+                raise ArgumentError(f"unknown collective {algorithm!r}; valid collectives: {', '.join(COLLECTIVES)}")
             res, memory = (
                 None if b is None else _matching(b, flat, what)
                 for b, what in ((residual, "residual"), (server, "server memory"))
@@ -440,7 +450,7 @@ class Compressor(ABC):
 
     def _options(self, algorithm: str) -> str:
         """The parameters every rank must agree on beyond the name and aggregation, as text."""
-        return f"{self.spec}, bucket {self.bucket}, seed {self.seed}, algorithm {algorithm}"
+        return f"{self.spec}, bucket {self.bucket}, seed {self.seed}, collective {algorithm}"
 
     def _field_names(self, algorithm: str) -> tuple[dict[int, str], ...]:
         """Readable names of the signature codes, for error messages (other ranks' options

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..api import DEFAULT_ALGORITHM, allreduce
+from ..api import DEFAULT_COLLECTIVE, allreduce
+from ..errors import renamed_keyword
 from ..transport.buffers import as_flat
 from .base import Compressor
 
@@ -33,10 +34,14 @@ class Identity(Compressor):
         *,
         residual: Any = None,
         server: Any = None,
-        algorithm: str = DEFAULT_ALGORITHM,
+        collective: str = DEFAULT_COLLECTIVE,
         validate: bool | None = None,
+        algorithm: str | None = None,
     ) -> Any:
-        allreduce(buf, comm, op, algorithm, validate=validate)
+        collective = renamed_keyword(
+            "Compressor.allreduce", "algorithm", "collective", algorithm, collective, DEFAULT_COLLECTIVE
+        )
+        allreduce(buf, comm, op, collective, validate=validate)
         if residual is not None:
             as_flat(residual).data.fill(0)
         return buf

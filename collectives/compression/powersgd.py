@@ -41,8 +41,7 @@ layout: the warm-start Q is its state.
 
 Reference: Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank
 Gradient Compression for Distributed Optimization", NeurIPS 2019 (its
-Algorithm 1, with error feedback); seed 001, section 3.2.1 (low-rank
-factorisation).
+Algorithm 1, with error feedback).
 """
 
 from __future__ import annotations

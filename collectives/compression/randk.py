@@ -20,8 +20,8 @@ off by default (unbiased); with it on, the residual is x - C(x).
 
 Reference: Wangni, Wang, Liu & Zhang, "Gradient Sparsification for
 Communication-Efficient Distributed Optimization", NeurIPS 2018; Stich,
-Cordonnier & Jaggi, "Sparsified SGD with Memory", NeurIPS 2018 (rand-k);
-seed 001, section 3.2.1 (Random-k and its d/k scale).
+Cordonnier & Jaggi, "Sparsified SGD with Memory", NeurIPS 2018 (rand-k,
+and its d/k scale).
 """
 
 from __future__ import annotations

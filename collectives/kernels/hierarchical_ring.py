@@ -12,7 +12,7 @@ Cost: 2 ceil(lg q) (alpha_intra + n beta_intra) + ceil(lg q) n gamma
 + 2 (m-1) alpha_inter + 2 n (m-1)/m beta_inter + n (m-1)/m gamma.
 Only one rank per node drives the slow links, and it sends 2n(m-1)/m bytes
 over them instead of the flat ring's 2n(p-1)/p spread over every rank.
-Reference: seed 001, Table 2; Jia et al., "Highly Scalable Deep Learning
+Reference: Jia et al., "Highly Scalable Deep Learning
 Training System with Mixed-Precision" (2018) for the hierarchical scheme.
 """
 

@@ -5,10 +5,12 @@ one communicator. A *planner* turns a :class:`Request` (the caller's
 communicator and topology options) into a *plan*, a callable ``run(x, red)``
 that holds whatever the algorithm needs beyond the communicator: node and
 leader communicators (hierarchical ring), row and column communicators
-(2D-torus), a shared-memory segment (shm). Planning is collective (it may
+(2D-torus), a shared-memory segment (shm); "mpi" is the MPI library's own
+all-reduce (:mod:`collectives.kernels.native`). Planning is collective (it may
 create sub-communicators or map shared memory); :mod:`collectives.api` plans
 once per (communicator, algorithm, layout, grid) and caches the plan, and
-:mod:`collectives.tuning.calibration` times the plans to fit the cost model.
+:mod:`collectives.tuning` times the plans (to fit the cost model, and to
+measure what ``auto`` chooses from).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..topology.layout import layout as node_layout
 from ..transport import gpu
 from ..transport.context import Context
 from ..transport.ops import Reduction, reduction
-from . import butterfly, halving_doubling, hierarchical_ring, reduce_broadcast, ring, shm, torus2d
+from . import butterfly, halving_doubling, hierarchical_ring, native, reduce_broadcast, ring, shm, torus2d
 
 #: A flat algorithm kernel: reduces a non-empty 1-D array in place across a
 #: communicator (``avg`` is finished by the caller).
@@ -98,6 +100,24 @@ class Shm:
         return self.seg if self.leaders is None and self.seg is shm.shared(ctx) else None
 
 
+class Native:
+    """The "mpi" plan: the MPI library's own all-reduce (:mod:`collectives.kernels.native`)
+    on the private communicator. Device arrays go to the library as they are where it
+    is GPU-aware (:mod:`collectives.transport.gpu`'s direct path), else through a host copy."""
+
+    def __init__(self, req: Request) -> None:
+        self.comm = req.ctx.comm
+
+    def __call__(self, x: Any, red: Reduction) -> None:
+        if type(x) is np.ndarray:
+            native.allreduce(x, self.comm, red)
+        elif gpu.PATH.mode == "direct":
+            gpu.synchronize()
+            native.allreduce(x, self.comm, red)
+        else:
+            gpu.on_host(x, lambda host: native.allreduce(host, self.comm, red))
+
+
 #: The algorithms' planners by name (``auto`` is :mod:`collectives.api`'s, on top of these).
 PLANNERS: dict[str, Planner] = {
     "ring": flat(ring.allreduce),
@@ -107,4 +127,5 @@ PLANNERS: dict[str, Planner] = {
     "hierarchical_ring": plan_hierarchical_ring,
     "torus2d": plan_torus2d,
     "shm": Shm,
+    "mpi": Native,
 }

@@ -5,7 +5,8 @@ Phases (root 0):
 1. binomial reduce: for mask = 1, 2, 4, ... a rank with bit ``mask`` set sends
    its partial result to rank - mask and stops; otherwise it receives from
    rank + mask (if that exists) and combines.
-2. binomial broadcast of the root's result, the same tree in reverse.
+2. binomial broadcast of the root's result, the same tree in reverse
+   (:func:`broadcast` alone, from any root, is ``collectives.broadcast``).
 
 Cost: 2 ceil(lg p) alpha + 2 n ceil(lg p) beta + n ceil(lg p) gamma. Works for
 any p with no fold. Simple and latency-friendly; the root's links carry the
@@ -42,19 +43,21 @@ def reduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
         mask <<= 1
 
 
-def broadcast(x: Any, comm: MPI.Comm) -> None:
-    """Copy rank 0's ``x`` into every rank's ``x``."""
-    p, r = comm.Get_size(), comm.Get_rank()
+def broadcast(x: Any, comm: MPI.Comm, root: int = 0) -> None:
+    """Copy rank ``root``'s ``x`` into every rank's ``x`` (the tree of root 0, its ranks
+    counted from ``root``)."""
+    p = comm.Get_size()
+    v = (comm.Get_rank() - root) % p  # the rank counted from the root
     mask = 1
     while mask < p:
-        if r & mask:
-            recv(comm, x, r - mask)
+        if v & mask:
+            recv(comm, x, (v - mask + root) % p)
             break
         mask <<= 1
     mask >>= 1
     while mask:
-        if r + mask < p:
-            send(comm, x, r + mask)
+        if v + mask < p:
+            send(comm, x, (v + mask + root) % p)
         mask >>= 1
 
 

@@ -14,11 +14,13 @@ bandwidth lower bound (Patarasuk & Yuan 2009). Every chunk is reduced on one
 rank and then copied, so all ranks end bitwise identical.
 
 The two phases are public: the 2D-torus and hierarchical algorithms and LSGD
-compose them.
+compose them, and :func:`collectives.allgather` runs the all-gather with blocks of
+each rank's size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from mpi4py import MPI
@@ -55,12 +57,15 @@ def reduce_scatter(x: Any, comm: MPI.Comm, red: Reduction) -> None:
         )
 
 
-def allgather(x: Any, comm: MPI.Comm) -> None:
-    """Fill every chunk of ``x`` from its owner: rank r contributes chunk r."""
+def allgather(x: Any, comm: MPI.Comm, bounds: Sequence[int] | None = None) -> None:
+    """Fill every chunk of ``x`` from its owner: rank r contributes chunk r, the elements
+    ``bounds[r]`` to ``bounds[r + 1]`` (default: :func:`chunk_bounds`; any p + 1
+    ascending offsets from 0 to ``len(x)``, the same on every rank)."""
     p, r = comm.Get_size(), comm.Get_rank()
     if p == 1:
         return
-    bounds = chunk_bounds(x.shape[0], p)
+    if bounds is None:
+        bounds = chunk_bounds(x.shape[0], p)
     right, left = (r + 1) % p, (r - 1) % p
     for s in range(p - 1):
         out_c, in_c = (r - s) % p, (r - s - 1) % p

@@ -52,7 +52,11 @@ reached it. ``MPI_Win_sync`` (the memory barrier of the MPI-3 unified model)
 orders the data writes before the counter and the reads after it. A buffer is
 written again only two pieces later, after a barrier every rank reaches only
 once it has finished reading it. A waiting rank spins briefly, then yields
-the core (oversubscribed nodes), and is watched by the stall inspector
+the core (oversubscribed nodes), or, where its thread's waits poll
+(:func:`~collectives.transport.p2p.poll_waits`), sleeps with back-off: a
+yielding rank keeps its core busy whenever no other rank is runnable, which
+on a node of mostly sleeping workers is most of the time. It is watched by
+the stall inspector
 (:mod:`collectives.transport.watchdog`). The ranks post their process ids at
 creation; every :data:`ALIVE_EVERY` seconds of waiting a rank makes sure the
 peer it waits for still exists, and raises
@@ -162,17 +166,20 @@ class Segment:
         self._win.Sync()
 
     def _wait(self, i: int, count: int) -> None:
-        """Wait until counter ``i`` reaches ``count``: spin, then yield the core; every
-        :data:`ALIVE_EVERY` seconds make sure the peer's process still exists."""
+        """Wait until counter ``i`` reaches ``count``: spin, then yield the core (on a
+        thread whose waits poll, :func:`~collectives.transport.p2p.poll_waits`: sleep
+        with back-off); every :data:`ALIVE_EVERY` seconds make sure the peer's process
+        still exists."""
         counters = self._counters
         for _ in range(_SPINS):
             if counters[i] >= count:
                 return
         blocked = p2p.watch(self.comm, (i * 8 // _LINE,))
         pid, due = self._pids.get(i), time.monotonic() + ALIVE_EVERY
+        pause = p2p.Backoff().sleep if p2p.polls() else os.sched_yield
         try:
             while counters[i] < count:
-                os.sched_yield()
+                pause()
                 if pid is not None and time.monotonic() > due:
                     if not _alive(pid) and counters[i] < count:
                         self._dead(i * 8 // _LINE, pid)

@@ -13,7 +13,7 @@ Cost: 2(X-1) alpha_row + 2 n (X-1)/X beta_row + n (X-1)/X gamma
 2(X+Y-2) alpha + 2 n (p-1)/p beta + n (p-1)/p gamma on a uniform network:
 bandwidth-optimal with fewer latency terms than the flat ring, and the slow
 column links carry only 1/X of the data.
-Reference: seed 001, Table 2; Mikami et al., "Massively Distributed SGD:
+Reference: Mikami et al., "Massively Distributed SGD:
 ImageNet/ResNet-50 Training in a Flash" (2018).
 """
 

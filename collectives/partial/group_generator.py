@@ -3,7 +3,7 @@
 Pure state machine, no MPI: :mod:`collectives.partial.preduce` runs it in a service
 thread and turns its answers into messages. Workers are numbered 0..n-1.
 
-Protocol (seed 001 section 5.1, figure 16; Luo et al., "Prague:
+Protocol (Luo et al., "Prague:
 High-Performance Heterogeneity-Aware Asynchronous Decentralized Training",
 ASPLOS 2020):
 

@@ -88,7 +88,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import validation
-from ..errors import ArgumentError, CollectiveError
+from ..errors import ArgumentError, CollectiveError, renamed_keyword
 from ..kernels import butterfly, halving_doubling, reduce_broadcast, ring
 from ..kernels.plans import Kernel
 from ..topology.layout import layout as node_layout
@@ -165,8 +165,9 @@ class PReduce:
         period: static only: iterations a partition is kept before it rotates.
         cross_every: aware only: every how many groups a worker crosses nodes.
         seed: seed of the random draws / the static schedule (>= 0).
-        algorithm: the all-reduce kernel run within a group, a name in
+        collective: the all-reduce algorithm run within a group, a name in
             :data:`GROUP_KERNELS`.
+        algorithm: the old name of ``collective`` (deprecated).
         service_rank: the rank whose thread runs GG.
         trace: GG trace: True/"stderr", "stdout", a file path, an open text
             stream, or False; None reads ``MPIDL_GG_TRACE``. Opened and
@@ -189,11 +190,13 @@ class PReduce:
         period: int = 1,
         cross_every: int = 2,
         seed: int = 0,
-        algorithm: str = "ring",
+        collective: str = "ring",
         service_rank: int = 0,
         trace: TraceSpec = None,
         validate: bool | None = None,
+        algorithm: str | None = None,
     ) -> None:
+        collective = renamed_keyword("PReduce", "algorithm", "collective", algorithm, collective, "ring")
         user = MPI.COMM_WORLD if comm is None else comm
         ctx = context(user)
         self.rank, self.size = ctx.rank, ctx.size
@@ -209,7 +212,7 @@ class PReduce:
             self._on_host = type(self._flat.data) is np.ndarray
             self._red = reduction("avg", self._flat.dtype, array_module(self._flat.data))
             self._kernel = check_options(
-                self.size, algorithm, policy, group_size, period, seed, service_rank, cross_every
+                self.size, collective, policy, group_size, period, seed, service_rank, cross_every
             )
         except ArgumentError as exc:
             problem = exc
@@ -222,7 +225,7 @@ class PReduce:
                     self._flat.size,
                     validation.code(dtype),
                     validation.code("avg"),
-                    validation.code(algorithm),
+                    validation.code(collective),
                     validation.code(options),
                 )
             )
@@ -238,6 +241,7 @@ class PReduce:
                     {validation.code(a): a for a in GROUP_KERNELS},
                     {validation.code(options): options},
                 ),
+                fields=("length", "dtype", "op", "collective", "options"),
             )
         elif problem:
             raise problem
@@ -428,7 +432,7 @@ class PReduce:
 
 def check_options(
     size: int,
-    algorithm: str,
+    collective: str,
     policy: str,
     group_size: int,
     period: int,
@@ -437,10 +441,10 @@ def check_options(
     cross_every: int = 2,
 ) -> Kernel:
     """Raise ArgumentError for a bad option, or for a policy whose group generator
-    needs a thread level MPI does not provide; return the kernel of ``algorithm``."""
-    kernel = GROUP_KERNELS.get(algorithm)
+    needs a thread level MPI does not provide; return the kernel of ``collective``."""
+    kernel = GROUP_KERNELS.get(collective)
     if kernel is None:
-        raise ArgumentError(f"unknown algorithm {algorithm!r}; valid for groups: {', '.join(GROUP_KERNELS)}")
+        raise ArgumentError(f"unknown collective {collective!r}; valid for groups: {', '.join(GROUP_KERNELS)}")
     check_policy(policy)
     check_group_size(group_size, size)
     for name, value, low in (("period", period, 1), ("seed", seed, 0), ("cross_every", cross_every, 1)):

@@ -99,6 +99,15 @@ def detected(ctx: Context) -> Layout:
     return found
 
 
+def cores_per_rank(ctx: Context) -> float:
+    """The cores this process may run on, per rank of ``ctx``'s communicator on its
+    node by :func:`detected` (collective on that function's first use): below 1 the
+    node is oversubscribed, and a rank waits for a core as often as for a message."""
+    node_of = detected(ctx).node_of
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores / node_of.count(node_of[ctx.rank])
+
+
 def _emulated(spec: int | str | Sequence[int], size: int) -> Layout:
     try:
         if isinstance(spec, str):

@@ -10,12 +10,16 @@ call (a wait the stall inspector sees) — and freed with the communicator,
 or at the latest when the interpreter exits, before mpi4py finalizes MPI:
 a shared-memory window still allocated at ``MPI_Finalize`` makes MPICH's ofi
 netmod fail to close its fabric ("fabricclose failed ... Device or resource
-busy", exit status 15) after the program's work is done.
+busy", exit status 15) after the program's work is done. The contexts of
+communicators that a dead process belongs to (ULFM, :mod:`~collectives.transport.faults`)
+are left to the process's end instead (:func:`abandon`): freeing their windows
+and duplicates is collective, and would wait for the dead.
 """
 
 from __future__ import annotations
 
 import atexit
+from collections.abc import Collection
 from typing import Any
 
 from mpi4py import MPI
@@ -48,9 +52,13 @@ class Context:
         self.cache: dict[Any, Any] = {}
         self.calls: dict[Any, Any] = {}
         self.aliases: list[int] = []
+        self.abandoned = False
 
     def free(self) -> None:
-        """Free every cached object (newest first), then the private communicator."""
+        """Free every cached object (newest first), then the private communicator
+        (nothing, once :func:`abandon` left it to the process's end)."""
+        if self.abandoned:
+            return
         for value in reversed(list(self.cache.values())):
             if isinstance(value, MPI.Comm) and value != MPI.COMM_NULL:
                 value.Free()
@@ -88,6 +96,16 @@ def _free_all() -> None:
 
 
 atexit.register(_free_all)
+
+
+def abandon(dead: Collection[int]) -> None:
+    """Never free the contexts of the communicators that any of the ``dead`` processes
+    (``MPI_COMM_WORLD`` ranks) belongs to: their windows and duplicates would wait
+    for the dead at the process's end (Open MPI's shared-memory window spins in
+    ``MPI_Win_free``)."""
+    for _, ctx in list(_known.values()):
+        if not ctx.abandoned and ctx.comm != MPI.COMM_NULL and set(p2p.world_ranks(ctx.comm)) & set(dead):
+            ctx.abandoned = True
 
 
 def context(comm: MPI.Comm) -> Context:

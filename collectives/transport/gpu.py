@@ -36,7 +36,7 @@ reductions on device 0 (a context there that nobody asked for, kernels on
 another device's arrays). So every thread that touches device buffers, other
 than the caller's, calls :func:`use_device` with the device of the buffer it
 serves (:func:`device_of`) when it starts: the training algorithms'
-service threads (:class:`algorithms.background.Background`, AD-PSGD's
+service threads (:class:`collectives.transport.background.Background`, AD-PSGD's
 server). For host buffers that is nothing, once per thread. The caller's own
 thread is the caller's to set (``torch.cuda.set_device``), as with any CUDA
 library; ``mpidl train`` sets the rank's device.
@@ -152,7 +152,8 @@ def use_device(device: int | None) -> None:
 # --- transport ----------------------------------------------------------------
 
 
-def _sync() -> None:
+def synchronize() -> None:
+    """Wait for the work queued on the current CUDA stream (before MPI reads or overwrites device memory)."""
     import cupy
 
     cupy.cuda.get_current_stream().synchronize()
@@ -162,23 +163,23 @@ class _Direct:
     """GPU-aware MPI: device pointers go to MPI after a stream synchronisation."""
 
     def sendrecv(self, comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None:
-        _sync()
+        synchronize()
         comm.Sendrecv([send, MPI.BYTE], dest, p2p.TAG, [recv, MPI.BYTE], source, p2p.TAG)
 
     def send(self, comm: MPI.Comm, buf: Any, dest: int) -> None:
-        _sync()
+        synchronize()
         comm.Send([buf, MPI.BYTE], dest, p2p.TAG)
 
     def recv(self, comm: MPI.Comm, buf: Any, source: int) -> None:
-        _sync()  # kernels still reading ``buf`` must finish before MPI overwrites it
+        synchronize()  # kernels still reading ``buf`` must finish before MPI overwrites it
         comm.Recv([buf, MPI.BYTE], source, p2p.TAG)
 
     def isend(self, comm: MPI.Comm, buf: Any, dest: int) -> MPI.Request:
-        _sync()
+        synchronize()
         return comm.Isend([buf, MPI.BYTE], dest, p2p.TAG)
 
     def irecv(self, comm: MPI.Comm, buf: Any, source: int) -> MPI.Request:
-        _sync()
+        synchronize()
         return comm.Irecv([buf, MPI.BYTE], source, p2p.TAG)
 
 
@@ -205,12 +206,12 @@ class _Staged:
 
     def _to_host(self, dev: Any) -> np.ndarray:
         host = self._pinned(0, dev.nbytes)
-        _sync()
+        synchronize()
         dev.view(np.uint8).get(out=host)
         return host
 
     def _to_device(self, host: np.ndarray, dev: Any) -> None:
-        _sync()  # kernels still reading ``dev`` (the last combine) must finish first
+        synchronize()  # kernels still reading ``dev`` (the last combine) must finish first
         dev.view(np.uint8).set(host)  # synchronous: the pinned buffer is reused next
 
     def sendrecv(self, comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None:
@@ -229,7 +230,7 @@ class _Staged:
 
     def isend(self, comm: MPI.Comm, buf: Any, dest: int) -> _StagedPending:
         host = self._take(buf.nbytes)
-        _sync()
+        synchronize()
         buf.view(np.uint8).get(out=host)
         return _StagedPending(self, comm.Isend([host, MPI.BYTE], dest, p2p.TAG), host)
 
@@ -382,7 +383,7 @@ def _probe(comm: MPI.Comm) -> bool:
     try:
         send = cupy.arange(4, dtype=cupy.int32) + rank
         recv = cupy.zeros(4, dtype=cupy.int32)
-        _sync()
+        synchronize()
         comm.Sendrecv([send, MPI.INT], (rank + 1) % size, 0x6D73, [recv, MPI.INT], (rank - 1) % size, 0x6D73)
         total = cupy.zeros(4, dtype=cupy.int32)
         comm.Allreduce([send, MPI.INT], [total, MPI.INT], op=MPI.SUM)
@@ -399,7 +400,7 @@ def on_host(x: Any, fn: Callable[[np.ndarray], None]) -> None:
     buffer), then copy the host array back into ``x``; if ``fn`` raises, ``x``
     is untouched. For host-only algorithms (:mod:`collectives.kernels.shm`)."""
     host = scratch(np.empty(0, x.dtype), x.shape[0], slot=_STAGE)
-    _sync()
+    synchronize()
     x.get(out=host)
     fn(host)
     x.set(host)

@@ -8,7 +8,7 @@ of the three packages (:data:`LOGGERS`: ``collectives.watchdog``,
 those loggers a handler that writes each record to stderr in one write (so
 that the launcher does not mix it with other ranks' lines) as::
 
-    mpidl: rank 3: MainThread has waited 60 s in allreduce(algorithm='ring') for rank(s) 2 of MPI_COMM_WORLD
+    mpidl: rank 3: MainThread has waited 60 s in allreduce(collective='ring') for rank(s) 2 of MPI_COMM_WORLD
 
 at the level ``MPIDL_LOG_LEVEL`` names (``DEBUG``, ``INFO``, ``WARNING``, the
 default, ``ERROR``, ``CRITICAL``, or a number). Warnings that a program may

@@ -15,12 +15,17 @@ to the device when it completes). The buffer of a pending transfer must not be
 touched until it has completed.
 
 Threads that wait for a peer while the process computes (the service
-threads of :class:`algorithms.background.Background`) poll instead of
+threads of :class:`collectives.transport.background.Background`) poll instead of
 blocking: a blocking MPI call busy-waits and would take a core from the
 computation. Such a thread calls :func:`poll_waits` once, and from then on
 every wait of this module, blocking calls included, tests its transfers with
 :class:`Backoff` sleeps in between (host arrays; a device transport waits its
-own way). Measured on two emulated nodes with 1 Gbit/s links
+own way); so do the shared-memory barrier (:mod:`collectives.kernels.shm`) and
+the argument check (:mod:`collectives.validation`, through :func:`complete`)
+on that thread. A worker's main thread polls too where many workers share few
+cores and each leaves its core idle most of a step (``mpidl train
+--step-time``): a rank waiting for a peer must not take the core of one that
+computes. Measured on two emulated nodes with 1 Gbit/s links
 (``docs/performance.rst``): an all-reduce of 16.6 MiB kept the machine's
 cores 100 % busy while blocking, 14 % while polling, in the same time.
 Such a thread also needs the GIL promptly when a message comes, while the
@@ -40,7 +45,9 @@ any communicator, sub-communicator or P-Reduce group), so that the bytes that
 cross nodes can be told from those that stay inside one. The shared-memory
 all-reduce (:mod:`collectives.kernels.shm`) counts the bytes each rank copies
 into the shared segment for its peers (:func:`count_sent`; destination
-:data:`SHARED_MEMORY`). The
+:data:`SHARED_MEMORY`); the MPI library's own all-reduce
+(:mod:`collectives.kernels.native`) counts an estimate (destination
+:data:`MPI_LIBRARY`). The
 argument check's messages (:mod:`collectives.validation`), and the small
 butterfly all-reduces that ride in them, bypass this module and are not
 counted; the training algorithms run their steps unchecked, so their counts
@@ -90,6 +97,9 @@ DEVICE_TRANSPORTS: dict[type, Transport] = {}
 
 #: The destination under which :func:`bytes_by_peer` counts bytes copied through shared memory.
 SHARED_MEMORY = -1
+#: The destination under which :func:`bytes_by_peer` counts bytes handed to the MPI
+#: library's own collectives (:mod:`collectives.kernels.native`: an estimate).
+MPI_LIBRARY = -2
 
 
 class _Sent(threading.local):
@@ -162,9 +172,10 @@ def bytes_by_peer() -> dict[int, int]:
     return out
 
 
-def count_sent(nbytes: int) -> None:
-    """Count ``nbytes`` this thread handed to its peers another way (through shared memory)."""
-    _count(SHARED_MEMORY, nbytes)
+def count_sent(nbytes: int, dest: int = SHARED_MEMORY) -> None:
+    """Count ``nbytes`` this thread handed to its peers another way: through shared
+    memory, or (``dest`` :data:`MPI_LIBRARY`) to the MPI library's collectives."""
+    _count(dest, nbytes)
 
 
 def world_ranks(comm: Any) -> Sequence[int]:
@@ -263,9 +274,11 @@ def waitall(
         s.since = 0.0
 
 
-def poll_waits() -> None:
-    """Make every later wait of this module on this thread poll (module docstring)."""
-    _sent.poll = True
+def poll_waits(enabled: bool = True) -> bool:
+    """Make every later wait of this module on this thread poll (module docstring),
+    or block again (``enabled=False``); returns whether they polled before."""
+    before, _sent.poll = _sent.poll, enabled
+    return before
 
 
 def polls() -> bool:
@@ -277,6 +290,19 @@ def _poll(pending: Sequence[Pending]) -> None:
     """Test ``pending`` with :class:`Backoff` sleeps in between until all have completed."""
     backoff = Backoff()
     while not test(pending):
+        backoff.sleep()
+
+
+def complete(request: MPI.Request, status: MPI.Status | None = None) -> None:
+    """Complete one started MPI request, blocking or, on a thread whose waits poll
+    (:func:`poll_waits`), testing it with :class:`Backoff` sleeps in between;
+    ``status`` receives its status. (For transfers outside this module's
+    counting, e.g. the argument check's headers.)"""
+    if not _sent.poll:
+        request.Wait(status)
+        return
+    backoff = Backoff()
+    while not request.Test(status):
         backoff.sleep()
 
 

@@ -3,7 +3,7 @@
 Parts of mpidl communicate from a thread of their own while the caller's
 thread communicates too: P-Reduce's group generator, AD-PSGD's server and
 averaging thread, LSGD's inter-group all-reduce, the overlapped all-reduces
-and averages of AllReduce-SGD and D-PSGD (:class:`algorithms.background.Background`),
+and averages of AllReduce-SGD and D-PSGD (:class:`collectives.transport.background.Background`),
 the step budget of ``mpidl train`` (:mod:`mpidl.pacing`). MPI defines two
 threads calling it at once only at ``MPI_THREAD_MULTIPLE`` (mpi4py's default);
 below it the result is undefined (a run of Prague under

@@ -4,7 +4,7 @@
 layout — exchanges inside and across nodes, a reducing exchange, the
 shared-memory algorithm, every message-passing plan on 8 bytes — and fits
 :class:`~collectives.tuning.costmodel.Params` to it.
-:func:`params_for` is what ``algorithm="auto"`` asks: the parameters loaded
+:func:`params_for` is what ``collective="auto"`` asks: the parameters loaded
 from ``MPIDL_COSTMODEL`` if that file exists (rank 0 reads it for all), else
 measured once per communicator (collective), cached, and written to that
 file. Every collective wait of the calibration is shown to the stall
@@ -22,8 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -33,12 +31,13 @@ from ..errors import ArgumentError
 from ..kernels import shm as _shm
 from ..kernels.plans import PLANNERS, Request
 from ..topology.layout import Layout
-from ..transport import gpu, p2p
+from ..transport import gpu
 from ..transport.context import context
 from ..transport.exchange import sendrecv_combine
 from ..transport.ops import reduction
 from ..transport.p2p import sendrecv
 from .costmodel import MODELS, Params, shm_barriers
+from .waits import barrier, slowest, waiting
 
 log = logging.getLogger("collectives.auto")
 
@@ -102,7 +101,7 @@ def calibrate(
         for kind, run in kinds.items():
             samples = []
             for _ in range(repeat):
-                _barrier(comm)
+                barrier(comm)
                 if pair is not None and rank in pair:
                     t0 = time.perf_counter()
                     run(pair[1] if rank == pair[0] else pair[0])
@@ -110,7 +109,7 @@ def calibrate(
             times[kind] = min(samples) if samples else 0.0
         if pair is None:
             return None
-        with _waiting(comm, "Bcast of the timings"):
+        with waiting(comm, "Bcast of the timings"):
             t = comm.bcast(times if rank == pair[0] else None, root=pair[0])
         moved = t["large"] - t["small"]
         return (
@@ -129,12 +128,12 @@ def calibrate(
                 _shm.allreduce(v, seg, red)  # warm-up: the segment's pages are touched
             samples = []
             for _ in range(repeat):
-                _barrier(comm)
+                barrier(comm)
                 t0 = time.perf_counter()
                 if seg is not None:
                     _shm.allreduce(v, seg, red)
                 samples.append(time.perf_counter() - t0)
-            times.append(_slowest(comm, min(samples) if seg is not None else 0.0))
+            times.append(slowest(comm, min(samples) if seg is not None else 0.0))
         if not times[0]:
             return None
         q = max(lay.ranks_per_node)
@@ -148,10 +147,10 @@ def calibrate(
     if entry is not None:
         samples = []
         for _ in range(repeat):
-            _barrier(comm)
+            barrier(comm)
             t0 = time.perf_counter()
             entry()
-            samples.append(_slowest(comm, time.perf_counter() - t0))
+            samples.append(slowest(comm, time.perf_counter() - t0))
         overhead = min(samples)
     defaults = Params()
     ai, bi, gamma = measured_intra or measured_inter or (defaults.alpha_intra, defaults.beta_intra, defaults.gamma)
@@ -190,29 +189,18 @@ def _offsets(
     for name in MODELS:
         if name == "shm":  # its parameters are fitted to its own runs
             continue
-        with _waiting(ctx.comm, f"building the {name} plan"):  # it may split communicators
+        with waiting(ctx.comm, f"building the {name} plan"):  # it may split communicators
             run = PLANNERS[name](Request(comm, ctx, lay, None))
         run(x, add)
         samples = []
         for _ in range(batches):
-            _barrier(ctx.comm)
+            barrier(ctx.comm)
             t0 = time.perf_counter()
             for _ in range(calls):
                 run(x, add)
-            samples.append(_slowest(ctx.comm, (time.perf_counter() - t0) / calls))
+            samples.append(slowest(ctx.comm, (time.perf_counter() - t0) / calls))
         offsets[name] = min(samples) - MODELS[name](prm, lay, float(_SMALL), None)
     return offsets
-
-
-def _barrier(comm: MPI.Comm) -> None:
-    with _waiting(comm, "Barrier"):
-        comm.Barrier()
-
-
-def _slowest(comm: MPI.Comm, seconds: float) -> float:
-    """The largest of every rank's ``seconds`` (collective)."""
-    with _waiting(comm, "Allreduce of the timings"):
-        return comm.allreduce(seconds, op=MPI.MAX)
 
 
 def params_for(
@@ -274,21 +262,8 @@ def _on_rank0(comm: MPI.Comm, fn: Callable[[], _T]) -> _T:
             result = (fn(), None)
         except ArgumentError as exc:
             result = (None, exc)
-    with _waiting(comm, "the cost-model file"):
+    with waiting(comm, "the cost-model file"):
         value, error = comm.bcast(result, root=0)
     if error is not None:
         raise error
     return value
-
-
-@contextmanager
-def _waiting(comm: MPI.Comm, what: str) -> Iterator[None]:
-    """Show the stall inspector (:mod:`collectives.transport.watchdog`) that this
-    thread waits in a collective of the calibration on all ranks of ``comm``."""
-    me = comm.Get_rank()
-    blocked = p2p.watch(comm, tuple(r for r in range(comm.Get_size()) if r != me))
-    operation, blocked.operation = blocked.operation, f"the cost model's calibration ({what})"
-    try:
-        yield
-    finally:
-        blocked.since, blocked.operation = 0.0, operation

@@ -48,7 +48,7 @@ communicates. The parameters are measured by
 :func:`collectives.tuning.calibration.calibrate` (ping-pong exchanges inside
 and across nodes, a timed reduction, the shared-memory algorithm timed at two
 sizes) and can be saved to and loaded from JSON (:meth:`Params.save`,
-:meth:`Params.load`; ``MPIDL_COSTMODEL=FILE`` makes ``algorithm="auto"`` load
+:meth:`Params.load`; ``MPIDL_COSTMODEL=FILE`` makes ``collective="auto"`` load
 a file instead of measuring).
 """
 
@@ -93,20 +93,8 @@ class Params:
         return (self.alpha_inter, self.beta_inter) if inter else (self.alpha_intra, self.beta_intra)
 
     def save(self, path: str) -> None:
-        """Write the parameters to ``path`` as JSON, atomically: a reader sees the
-        old file or the whole new one (written to a temporary file in the same
-        directory, then renamed over ``path``)."""
-        directory, name = os.path.split(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(asdict(self), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        """Write the parameters to ``path`` as JSON, atomically (:func:`save_json`)."""
+        save_json(path, asdict(self))
 
     @classmethod
     def load(cls, path: str) -> Params:
@@ -151,6 +139,23 @@ class Params:
             f"alpha_shm={self.alpha_shm * 1e6:.2f}us beta_shm={self.beta_shm * 1e9:.3f}ns/B "
             f"offset={{{', '.join(f'{k}: {v * 1e6:+.1f}us' for k, v in self.offset.items())}}} ({self.source})"
         )
+
+
+def save_json(path: str, obj: object) -> None:
+    """Write ``obj`` to ``path`` as JSON, atomically: a reader sees the old file or the
+    whole new one (written to a temporary file in the same directory, then renamed
+    over ``path``); an interrupted write leaves no temporary file."""
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _number(what: str, value: object) -> None:
@@ -297,14 +302,21 @@ MODELS: dict[str, Callable[..., float]] = {
 }
 
 
+def check_rides(algorithm: str, nbytes: int, lay: Layout) -> bool:
+    """Whether the argument check rides along with ``algorithm``'s data (costs nothing
+    extra): the shared-memory algorithm on one node, small butterflies across nodes."""
+    if lay.nodes == 1:
+        return algorithm == "shm"
+    return algorithm == "butterfly" and nbytes <= FUSE_LIMIT
+
+
 def check_cost(algorithm: str, nbytes: int, lay: Layout, prm: Params) -> float:
     """Predicted seconds the argument check adds to an all-reduce (see the module docstring)."""
-    p = len(lay.node_of)
-    if lay.nodes == 1:
-        return 0.0 if algorithm == "shm" else prm.alpha_shm
-    if algorithm == "butterfly" and nbytes <= FUSE_LIMIT:
+    if check_rides(algorithm, nbytes, lay):
         return 0.0
-    return math.ceil(math.log2(p)) * (prm.alpha_inter + 2 * _shm.HEADER * prm.beta_inter)
+    if lay.nodes == 1:
+        return prm.alpha_shm
+    return math.ceil(math.log2(len(lay.node_of))) * (prm.alpha_inter + 2 * _shm.HEADER * prm.beta_inter)
 
 
 def predict(
@@ -320,12 +332,18 @@ def predict(
 
 @dataclass
 class Choice:
-    """What ``algorithm="auto"`` picks for a size, and why."""
+    """What ``collective="auto"`` picks for a size, and why.
+
+    ``predictions`` are every candidate's predicted or measured seconds, least
+    first; ``source`` says where they come from: "model" (this module),
+    "calibration" or "online tuning" (:mod:`collectives.tuning.table`), "cached
+    ..." where the persisted cache held them."""
 
     algorithm: str
     nbytes: int
     predictions: dict[str, float] = field(default_factory=dict)
     reason: str = ""
+    source: str = "model"
 
     def __str__(self) -> str:
         return self.reason

@@ -35,9 +35,10 @@ how many times sooner than AllReduce-SGD the run first reached
 AllReduce-SGD's final accuracy (``to AR final``); steps per second of all
 workers together; the bytes the links carried per step; the share of the
 workers' time spent waiting in communication; the consensus distance at
-the end; and the slowest worker's mean step over the median worker's. Plots
-(``--plot``): speedup over AllReduce-SGD against workers, a panel per
-condition (``plots/speedup.png``), and accuracy against time per cluster.
+the end; and the slowest worker's mean step over the median worker's. The
+plot (``--plot``, ``plots/speedup.png``): how many times sooner than
+AllReduce-SGD each algorithm reached AllReduce-SGD's final accuracy, against
+workers, a panel per condition.
 
 Runs whose JSON exists are not run again; ``--report-only`` makes the table
 from what is there. Each run is ended, on every node, after ``--timeout``.
@@ -108,6 +109,10 @@ ALGORITHMS = {
     "horovod": ("--algorithm", "horovod"),
 }
 BASELINE = "allreduce"
+#: The algorithms whose workers step at their own speeds: an epoch of theirs is n x steps
+#: of all workers together, so a slow worker's shard is seen less; they run
+#: ``Setup.async_epochs`` so that they can reach the baseline's final accuracy.
+UNEVEN = ("adpsgd", "adpsgd:aware", "prague:random", "prague:smart", "prague:aware")
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,14 @@ class Setup:
     rate: str = "1gbit"
     batch_size: int = 32
     lr: float = 0.05
+    async_epochs: int | None = None  # None: 2 x epochs
+    train_samples: int | None = None  # None: the whole training set
 
-    def train_args(self) -> list[str]:
+    def train_args(self, algo: str = BASELINE) -> list[str]:
+        """``mpidl train``'s options for ``algo`` (the epochs: :data:`UNEVEN`)."""
+        epochs = self.epochs
+        if algo in UNEVEN:
+            epochs = self.async_epochs if self.async_epochs is not None else 2 * self.epochs
         return [
             "--dataset",
             "fashion-mnist",
@@ -131,13 +142,14 @@ class Setup:
             "--hidden",
             self.hidden,
             "--epochs",
-            str(self.epochs),
+            str(epochs),
             "--batch-size",
             str(self.batch_size),
             "--lr",
             str(self.lr),
             "--step-time",
             self.step_time,
+            *(["--train-samples", str(self.train_samples)] if self.train_samples else []),
         ]
 
 
@@ -159,10 +171,16 @@ def shape_links(setup: Setup, shape: Shape, condition: str) -> None:
     sweep.cluster("shape", "--rate", setup.rate, *nodes)
 
 
+def run_path(out: Path, shape: Shape, condition: str, algo: str, k: int) -> Path:
+    """Where a cell's ``k``-th run keeps its JSON."""
+    return out / shape.name / condition / (f"{algo}.json" if k == 0 else f"{algo}.r{k}.json")
+
+
 def run(out: Path, setup: Setup, shape: Shape, condition: str, algo: str, k: int, timeout: float) -> Path:
     """One cell's ``k``-th run; its JSON (nothing to do if it exists)."""
-    path = out / shape.name / condition / (f"{algo}.json" if k == 0 else f"{algo}.r{k}.json")
-    argv = ["python", "-m", "mpidl", "train", *ALGORITHMS[algo], *setup.train_args(), *condition_args(condition, shape)]
+    path = run_path(out, shape, condition, algo, k)
+    argv = ["python", "-m", "mpidl", "train", *ALGORITHMS[algo], *setup.train_args(algo)]
+    argv += condition_args(condition, shape)
     argv += ["--seed", str(k)]
     cluster_args = ["--nodes", str(shape.nodes), "-n", str(shape.ranks)]
     label = f"{shape.name:>5} {condition:<9} {algo:<14}"
@@ -176,7 +194,7 @@ def summarize(run: dict[str, Any], target: float) -> dict[str, Any]:
     steps = sum(e["steps"] for e in epochs)
     workers = last["workers"]
     peer = run["meta"]["algorithm"] in sweep.PEERS
-    step_times = [w["step_s"] for w in run.get("workers", [])] if "workers" in run else []
+    own = run.get("workers", {}).get("mean_s", {}).get("own", [])  # each worker's step, waits excluded
     return {
         "to_target_s": sweep.time_to(epochs, target),
         "final_acc": last["test_acc"],
@@ -184,7 +202,7 @@ def summarize(run: dict[str, Any], target: float) -> dict[str, Any]:
         "link_per_step": run["sweep"]["link_bytes"] / max(steps, 1),
         "wait": None if peer else sum(workers["comm_wait_s"]) / max(sum(workers["time_s"]), 1e-9),
         "consensus": last["consensus"],
-        "slowest": max(step_times) / statistics.median(step_times) if step_times else None,
+        "slowest": max(own) / statistics.median(own) if own and statistics.median(own) > 0 else None,
     }
 
 
@@ -232,29 +250,32 @@ def rows(results: dict[Key, dict[str, Any]], runs: dict[Key, list]) -> list[list
     return out
 
 
-def plot(out: Path, results: dict[tuple[str, str, str], dict[str, Any]], conditions: Sequence[str]) -> Path:
-    """Speedup over AllReduce-SGD (time to target) against workers, a panel per condition."""
+def plot(out: Path, runs: dict[Key, list], conditions: Sequence[str]) -> Path:
+    """How many times sooner than AllReduce-SGD each algorithm reached AllReduce-SGD's final
+    accuracy, against workers, a panel per condition."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colors = dict(zip(ALGORITHMS, plt.get_cmap("tab20").colors))
     fig, axes = plt.subplots(1, len(conditions), figsize=(4 * len(conditions) + 2, 3.8), sharey=True, squeeze=False)
     for ax, condition in zip(axes[0], conditions):
         for algo in ALGORITHMS:
             points = []
-            for (cluster, cond, name), r in results.items():
-                base = results.get((cluster, cond, BASELINE), {}).get("to_target_s")
-                if cond == condition and name == algo and base and r["to_target_s"]:
-                    points.append((Shape.parse(cluster).workers, base / r["to_target_s"]))
+            for cluster, cond, name in runs:
+                sooner = sweep.to_baseline_final(runs, (cluster, cond, name))
+                if cond == condition and name == algo and sooner:
+                    points.append((Shape.parse(cluster).workers, sooner))
             if points:
                 xs, ys = zip(*sorted(points))
-                ax.plot(xs, ys, marker="o", label=algo, linestyle="-" if algo.startswith("allreduce") else "--")
+                style = "-" if algo.startswith("allreduce") else "--"
+                ax.plot(xs, ys, marker="o", label=algo, linestyle=style, color=colors[algo])
         ax.axhline(1.0, color="grey", linewidth=0.6)
         ax.set_title(condition)
         ax.set_xlabel("workers")
         ax.set_xscale("log", base=2)
-    axes[0][0].set_ylabel("time to target: AllReduce-SGD / algorithm")
+    axes[0][0].set_ylabel("AllReduce-SGD's final accuracy: x sooner")
     handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
     fig.legend(list(handles.values()), list(handles), loc="center right", fontsize=7)
     fig.tight_layout(rect=(0, 0, 1 - 2 / fig.get_figwidth(), 1))
@@ -273,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--algorithms", default="all", help="comma-separated names of ALGORITHMS, or all")
     p.add_argument("--repeat", type=int, default=1, help="runs per cell, seeds 0..K-1; medians (default 1)")
     p.add_argument("--epochs", type=int, default=Setup.epochs, help=f"(default {Setup.epochs})")
+    p.add_argument("--async-epochs", type=int, help="epochs of the algorithms of uneven steps (default 2 x --epochs)")
     p.add_argument("--step-time", default=Setup.step_time, help=f"paced step (default {Setup.step_time})")
     p.add_argument("--hidden", default=Setup.hidden, help=f"the MLP's hidden layers (default {Setup.hidden})")
     p.add_argument("--target", type=float, default=Setup.target, help=f"accuracy (default {Setup.target})")
@@ -282,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot", action="store_true", help="draw plots/speedup.png")
     p.add_argument("--report-only", action="store_true", help="make the table from the runs there; run nothing")
     args = p.parse_args(argv)
-    setup = Setup(args.hidden, args.epochs, args.step_time, args.target, args.rate)
+    setup = Setup(args.hidden, args.epochs, args.step_time, args.target, args.rate, async_epochs=args.async_epochs)
     shapes = [Shape.parse(c) for c in args.clusters.split(",")]
     conditions = args.conditions.split(",")
     algos = list(ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
@@ -291,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("scale: the horovod rows left out: Horovod is not installed (jobs/peers/horovod.sh)", flush=True)
     if args.smoke:
         shapes, conditions, algos = [Shape(8, 1)], ["straggler"], ["allreduce", "adpsgd"]
-        setup = Setup(setup.hidden, 1, "60ms", 0.0, setup.rate)
+        setup = Setup(setup.hidden, 1, "60ms", 0.0, setup.rate, async_epochs=1, train_samples=20000)
     unknown = [a for a in algos if a not in ALGORITHMS] + [c for c in conditions if c not in CONDITIONS]
     if unknown:
         p.error(f"unknown algorithm(s) or condition(s): {', '.join(unknown)}")
@@ -305,7 +327,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not args.report_only:
                     shape_links(setup, shape, condition)
                 for algo in algos:
-                    paths = [run(args.out, setup, shape, condition, algo, k, args.timeout) for k in range(args.repeat)]
+                    ks = range(args.repeat)
+                    if args.report_only:
+                        paths = [run_path(args.out, shape, condition, algo, k) for k in ks]
+                    else:
+                        paths = [run(args.out, setup, shape, condition, algo, k, args.timeout) for k in ks]
                     loaded = [json.loads(q.read_text()) for q in paths if q.exists()]
                     if loaded:
                         key = (shape.name, condition, algo)
@@ -324,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(text, end="")
     if args.plot and results:
-        print(f"plot: {plot(args.out, results, conditions)}")
+        print(f"plot: {plot(args.out, runs, conditions)}")
     return 0
 
 

@@ -16,7 +16,10 @@
 #     ended on both nodes, nothing of it left in their namespaces;
 #  5. takes the cluster down and looks, independently of cluster.py, for
 #     anything left: namespaces, links, /etc/netns entries, the record;
-#  6. brings 3 nodes up unshaped and down again, and looks once more.
+#  6. brings 8 nodes up and runs the heterogeneity smoke test (scale.py --smoke:
+#     8 paced workers, one 4x slow, AllReduce-SGD and AD-PSGD, one short epoch
+#     of Fashion-MNIST, under SMOKE_TIMEOUT seconds, default 420), then takes
+#     them down and looks once more.
 # Exit status 0 when all of it passed. The cluster is taken down on failure
 # or interrupt too, if this script brought it up. Each MPI job is bounded by
 # a timeout (JOB_TIMEOUT seconds, default 240).
@@ -25,6 +28,7 @@ export PATH=$PATH:/usr/sbin:/sbin
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cluster=$here/cluster.py
 JOB_TIMEOUT=${JOB_TIMEOUT:-240}
+SMOKE_TIMEOUT=${SMOKE_TIMEOUT:-420}
 export TQDM_DISABLE=1
 
 fail() {
@@ -119,9 +123,22 @@ ours=0
 nothing_left
 "$cluster" down  # nothing to do: no error
 
-step "up and down again: 3 nodes, unshaped"
+step "up again: 8 nodes; the heterogeneity smoke test (8 paced workers, one 4x slow, one short epoch)"
 ours=1
-"$cluster" up --nodes 3
+"$cluster" up --nodes 8 --rate 1gbit
+smoke=$(mktemp -d)
+status=0
+timeout -k 10 "$SMOKE_TIMEOUT" "$here/scale.py" --smoke --out "$smoke" --timeout "$JOB_TIMEOUT" || status=$?
+((status == 0)) || fail "scale.py --smoke exited with $status"
+python3 - "$smoke/table.csv" <<'PY' || fail "the smoke test's table lacks a row or an accuracy"
+import csv, sys
+rows = {r["algorithm"]: r for r in csv.DictReader(open(sys.argv[1]))}
+assert set(rows) == {"allreduce", "adpsgd"}, rows
+for name, row in rows.items():
+    assert float(row["final acc %"]) > 50, (name, row)
+    print(f"{name}: final accuracy {row['final acc %']} %, steps/s {row['steps/s']}")
+PY
+rm -rf "$smoke"
 "$cluster" down
 ours=0
 nothing_left

@@ -14,6 +14,14 @@ Modes:
   thread KIND  a service thread raises: ``budget`` (the step budget's counting thread,
            rank 0), ``group-generator`` (P-Reduce's, rank 0), ``server`` (AD-PSGD's,
            on a passive worker); without that ending the job, it ends normally in 20 s.
+  survive ROLE  AD-PSGD with on_failure="continue" on 4 ranks, learning rate 0, random
+           float64 models: rank 0 (ROLE ``active``: between two of its averagings) or
+           rank 1 (``passive``: holding its model's lock, while requests wait for it)
+           kills itself (SIGKILL) in its step 20, having written its model into
+           $FAILURE_DIR; the survivors take their 100 steps, close, and print
+           ``failure.py: survivors SUM_ERROR LOST SIZE``: the largest difference between
+           the survivors' sum and the initial sum less the dead worker's model, the
+           world ranks lost, the survivors' communicator size.
   train    ``mpidl train ARGS``, where rank 1 kills itself (SIGKILL) when the checkpoint
            after step $FAILURE_KILL_STEP is due, before writing it; with
            $FAILURE_SAVE_RESTORED=DIR, a resumed run first checkpoints the state it
@@ -27,6 +35,7 @@ to end after the failure.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import signal
@@ -73,16 +82,44 @@ if mode == "train":
     checkpoint.save = save_or_die
     restored_into = os.environ.get("FAILURE_SAVE_RESTORED")
     if restored_into:
-        restore = train._Run.restore
+        load = train._Run.load_algorithm_state
 
-        def restore_and_save(run: train._Run) -> None:
-            restore(run)
+        def load_and_save(run: train._Run, state: dict) -> None:
+            load(run, state)
             folder, run.config.checkpoint = run.config.checkpoint, restored_into
             run._save()
             run.config.checkpoint = folder
 
-        train._Run.restore = restore_and_save
+        train._Run.load_algorithm_state = load_and_save
     sys.exit(cli.main(["train", *sys.argv[2:]]))
+
+if mode == "survive":
+    import algorithms
+
+    victim = {"active": 0, "passive": 1}[sys.argv[2]]
+    faulthandler.dump_traceback_later(40)  # a hang shows where each thread waits
+    rng = np.random.default_rng([7, rank])
+    x = rng.standard_normal(100)  # 800 bytes: every message is sent eagerly
+    total = comm.allreduce(x)
+    algo = algorithms.create("adpsgd", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, on_failure="continue")
+    for step in range(100):
+        if step == 20 and rank == victim:
+            if victim == 0 and algo._background is not None and algo._background.pending:
+                algo._collect()  # its averaging done on both ends: nothing is in doubt
+            else:
+                algo._lock.acquire()  # no request is served any more: those in flight are abandoned
+            np.save(os.path.join(os.environ["FAILURE_DIR"], "dead.npy"), x)
+            announce()
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(rng.uniform(0, 2e-3))
+        algo.step(np.zeros_like(x))
+    algo.close()
+    survivors = algo.comm.allreduce(x)
+    dead = np.load(os.path.join(os.environ["FAILURE_DIR"], "dead.npy"))
+    error = float(np.abs(survivors - (total - dead)).max())
+    if algo.comm.Get_rank() == 0:
+        print(f"failure.py: survivors {error:.3g} {','.join(map(str, algo.lost))} {algo.comm.Get_size()}", flush=True)
+    sys.exit(0)
 
 x = np.ones(1000, np.float32)
 
@@ -181,5 +218,5 @@ for step in range(100000):
             os.kill(os.getpid(), signal.SIGKILL)
         elif mode == "exit":
             os._exit(1)
-    collectives.allreduce(x, comm, algorithm="ring")
+    collectives.allreduce(x, comm, collective="ring")
     x[:] = 1.0

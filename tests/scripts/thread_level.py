@@ -37,6 +37,7 @@ CASES = {
     "adpsgd": lambda: model("adpsgd"),
     "lsgd": lambda: model("lsgd"),
     "step-budget": lambda: pacing.StepBudget(comm, 10),
+    "allreduce-async": lambda: collectives.allreduce_async(np.zeros(8), comm),
     "prague-static": lambda: model("prague", policy="static"),  # no service thread: allowed
 }
 

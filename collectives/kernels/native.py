@@ -1,0 +1,104 @@
+"""The MPI library's own all-reduce, as one more algorithm ("mpi").
+
+Phases: one call of the library, in place on the caller's buffer, with the
+MPI datatype and op of the buffer's dtype and op (``avg`` reduces as ``sum``;
+the caller divides, as for every algorithm):
+
+* integers (int32, int64), any op: ``MPI_Allreduce(MPI_IN_PLACE)``; integer
+  results do not depend on the order in which the library combines them;
+* floats (float32, float64; sum, avg, prod) up to :data:`ORDERED_LIMIT`
+  bytes: ``MPI_Reduce`` to rank 0, then ``MPI_Bcast``; above it
+  ``MPI_Allreduce``.
+
+Why floats differ: MPI does not promise that every rank gets the same bits,
+and for short vectors MPICH 5.0.2 runs recursive doubling, where the two
+ranks of an exchange combine the pair in opposite operand orders. For
+finite sums and products that is the same number, but not for NaNs of
+different payloads (each rank keeps its own operand's): measured here,
+1- and 3-element sums of NaNs of different payloads differed between ranks
+on 2 to 5 ranks. A reduction to one rank followed by a broadcast gives
+every rank the bits one rank computed, whatever the library does. Above
+the limit MPICH's algorithms reduce each block on one rank (reduce-scatter,
+then all-gather), and every rank got the same bits at every size tested
+(tests/test_allreduce.py). ``auto`` in addition checks, on every size it
+measures, that the library gives every rank the same bits
+(:func:`collectives.tuning.sweep.identical`).
+
+float16 and bfloat16 have no MPI datatype in the standard, and MPI's
+``MPI_MIN`` and ``MPI_MAX`` on floats do not propagate NaNs as numpy's
+``minimum`` and ``maximum`` (and so every other algorithm) do: MPICH
+computes ``a < b ? a : b``, which keeps the second operand when either is NaN.
+:func:`unsupported` names the problem (an explicit "mpi" raises it), and
+``auto`` leaves "mpi" out there.
+
+Cost: whatever the library's algorithm costs (MPICH: recursive doubling,
+lg p (alpha + n beta + n gamma), for short vectors; Rabenseifner's
+reduce-scatter + all-gather, 2 lg p alpha + 2n (p-1)/p beta + n (p-1)/p gamma,
+for long ones, plus a temporary buffer it allocates per call); the floats'
+short path two trees, 2 lg p (alpha + n beta) + lg p n gamma.
+
+Bytes: the library moves them, so :mod:`collectives.transport.p2p` cannot
+count them. Each call counts 2 (p-1)/p n, the volume of a bandwidth-optimal
+all-reduce, as handed to the library (destination
+:data:`~collectives.transport.p2p.MPI_LIBRARY`): an estimate, not bytes seen.
+
+Waits are shown to the stall inspector; on a thread whose waits poll
+(:func:`collectives.transport.p2p.poll_waits`) the nonblocking forms are
+started and tested with sleeps in between, so the thread leaves the cores to
+the computation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpi4py import MPI
+
+from ..transport import p2p
+from ..transport.ops import Reduction
+
+#: Largest float vector (bytes) reduced to rank 0 and broadcast (module docstring).
+ORDERED_LIMIT = 64 << 10
+
+DATATYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T}
+_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+_INTEGERS = ("int32", "int64")
+
+
+def unsupported(dtype: str, op: str) -> str | None:
+    """Why the MPI library cannot reduce ``dtype`` with ``op`` as the other algorithms
+    do (None if it can)."""
+    if dtype not in DATATYPES:
+        return f"algorithm 'mpi': MPI has no standard datatype for {dtype} (it reduces {', '.join(DATATYPES)})"
+    if op in ("min", "max") and dtype not in _INTEGERS:
+        return (
+            f"algorithm 'mpi': MPI's {op} on {dtype} does not return NaN where an operand is NaN "
+            "(MPICH keeps one operand or the other, depending on the order), unlike the other algorithms"
+        )
+    return None
+
+
+def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
+    """Reduce the non-empty flat array ``x`` in place across ``comm`` with the
+    library's collectives (module docstring); every rank ends with the same bits."""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    if p == 1:
+        return
+    p2p.count_sent(2 * (p - 1) * x.nbytes // p, p2p.MPI_LIBRARY)
+    spec, op = [x, DATATYPES[red.dtype]], _OPS[red.op]
+    others = tuple(r for r in range(p) if r != rank)
+    if red.dtype in _INTEGERS or x.nbytes > ORDERED_LIMIT:
+        if p2p.polls():
+            p2p.waitall([comm.Iallreduce(MPI.IN_PLACE, spec, op)], comm, others)
+        else:
+            with p2p.waiting(comm, others):
+                comm.Allreduce(MPI.IN_PLACE, spec, op)
+        return
+    send, recv = (MPI.IN_PLACE, spec) if rank == 0 else (spec, None)
+    if p2p.polls():
+        p2p.waitall([comm.Ireduce(send, recv, op, 0)], comm, others)
+        p2p.waitall([comm.Ibcast(spec, 0)], comm, others)
+    else:
+        with p2p.waiting(comm, others):
+            comm.Reduce(send, recv, op, 0)
+            comm.Bcast(spec, 0)

@@ -1,0 +1,166 @@
+"""Surviving a dead peer: ULFM (User-Level Failure Mitigation), where the MPI library has it.
+
+Bland, Bouteiller, Herault, Bosilca & Dongarra, "Post-failure recovery of
+MPI communication capability: Design and rationale", IJHPCA 27(3), 2013.
+With ULFM a process that dies does not end the job: an operation that
+involves it fails with ``MPIX_ERR_PROC_FAILED`` on the communicators whose
+errors are returned (``MPI.ERRORS_RETURN``), and the survivors go on:
+
+1. **revoke**: the rank that sees the failure revokes the communicator
+   (:func:`revoke`), so that every operation on it, pending or later, fails
+   with ``MPIX_ERR_REVOKED`` on every rank; nobody is left waiting for the
+   dead. A failure seen inside a block of :func:`revoking` does it and raises
+   :class:`PeerFailure`; the requests still pending there are completed
+   (:func:`drain`).
+2. **agree**: the survivors reach one verdict (:func:`agree`, ``MPI_Comm_agree``:
+   a fault-tolerant AND of a flag, with the failure reported to all or to none).
+3. **shrink**: the survivors build a communicator of themselves
+   (:func:`shrink`, ``MPI_Comm_shrink``), and learn who is gone.
+
+Cost: nothing while no one fails; a recovery is an agreement and a shrink,
+each O(log p) messages of a few bytes (plus the failure detector's delay).
+
+Where it is available (:func:`unavailable`): mpi4py must have the ULFM calls
+(it compiles them out for MPICH) and, under Open MPI, the launcher must have
+enabled them (``mpiexec --with-ft ulfm``, which sets the MCA parameter
+``mpi_ft_enable``). Elsewhere a dead rank ends the job as it always did
+(``docs/failures.rst``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar, cast
+
+from mpi4py import MPI
+
+from ..errors import CollectiveError
+from . import context, logs
+
+log = logging.getLogger("collectives.faults")
+C = TypeVar("C", bound=MPI.Comm)
+
+#: Error classes that say a peer died, or that another rank saw one die and revoked the communicator.
+FAILURE_CLASSES = frozenset(
+    getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED") if hasattr(MPI, name)
+)
+
+#: Where Open MPI's launcher passes the MCA parameter that enables ULFM (``--with-ft ulfm`` sets it).
+FT_ENABLE = "OMPI_MCA_mpi_ft_enable"
+
+
+class PeerFailure(CollectiveError):
+    """A peer died (or another rank saw one die): the communicator is revoked; the
+    survivors :func:`agree` and :func:`shrink`."""
+
+
+@functools.cache
+def unsupported() -> str | None:
+    """None where mpi4py has the ULFM calls for this MPI library; otherwise why not."""
+    probe = MPI.COMM_SELF.Dup()
+    try:
+        probe.Revoke()
+    except NotImplementedError:
+        return f"mpi4py has no ULFM calls (MPIX_Comm_revoke) for this MPI library ({_library()})"
+    finally:
+        probe.Free()
+    return None
+
+
+def unavailable() -> str | None:
+    """None where ULFM can be used in this process; otherwise why not (a sentence)."""
+    why = unsupported()
+    enabled = os.environ.get(FT_ENABLE, "0").lower() in ("1", "true", "yes", "on")
+    if why is None and _library().startswith("Open MPI") and not enabled:
+        why = f"{_library()} was started without fault tolerance (launch with mpiexec --with-ft ulfm)"
+    return why
+
+
+def _library() -> str:
+    """The MPI library's name and version, e.g. "Open MPI v5.0.11"."""
+    return " ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0].split())
+
+
+def is_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is an MPI error saying that a peer died or the communicator was revoked."""
+    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAILURE_CLASSES
+
+
+def returning(comm: C) -> C:
+    """Make ``comm``'s errors return (raise ``MPI.Exception``) instead of aborting; returns it."""
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    return comm
+
+
+def revoke(comm: MPI.Comm) -> None:
+    """Revoke ``comm`` (every rank's operations on it fail from now on); revoking it twice is harmless."""
+    try:
+        comm.Revoke()
+    except MPI.Exception as exc:
+        if not is_failure(exc):
+            raise
+
+
+def drain(pending: Iterable[Any]) -> None:
+    """Complete started transfers on a revoked communicator, whatever their outcome:
+    revoking completes every pending operation, so none waits for long."""
+    for request in pending:
+        try:
+            request.Wait()
+        except MPI.Exception as exc:
+            if not is_failure(exc):
+                raise
+
+
+@contextmanager
+def revoking(comm: MPI.Comm, pending: Iterable[Any] = ()) -> Iterator[None]:
+    """Run the block; where it raises an MPI error of a dead peer (or of a revoked
+    ``comm``), revoke ``comm``, complete ``pending`` and raise :class:`PeerFailure`.
+    Other errors pass unchanged."""
+    try:
+        yield
+    except MPI.Exception as exc:
+        if not is_failure(exc):
+            raise
+        revoke(comm)
+        drain(pending)
+        raise PeerFailure(f"a peer failed or the communicator was revoked: {exc.Get_error_string()}") from exc
+
+
+def agree(comm: MPI.Comm, flag: bool) -> bool:
+    """Collective over the survivors of ``comm`` (revoked or not): True on every rank
+    if every rank passed a true ``flag`` and no failure was reported; else False on
+    every rank."""
+    try:
+        return bool(comm.Agree(int(flag)))
+    except MPI.Exception as exc:
+        if not is_failure(exc):
+            raise
+        return False
+
+
+def shrink(comm: MPI.Comm) -> tuple[MPI.Intracomm, list[int]]:
+    """Collective over the survivors of ``comm``: a new communicator of them (errors
+    returned, ranks in their old order) and the ``MPI_COMM_WORLD`` ranks of those gone.
+    The collectives' state of every communicator with one of those is left to the
+    process's end (:func:`~collectives.transport.context.abandon`)."""
+    survivors = returning(cast(MPI.Intracomm, comm.Shrink()))
+    world = MPI.COMM_WORLD.Get_group()
+    before = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world)
+    after = set(MPI.Group.Translate_ranks(survivors.Get_group(), list(range(survivors.Get_size())), world))
+    lost = [r for r in before if r not in after]
+    context.abandon(lost)
+    return survivors, lost
+
+
+def warn(message: str) -> None:
+    """A warning on the ``collectives.faults`` logger (to stderr in the same form where
+    logging is not configured)."""
+    if log.hasHandlers():
+        log.warning("%s", message)
+    else:
+        logs.write(message)

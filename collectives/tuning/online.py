@@ -1,0 +1,111 @@
+"""Online tuning: the close candidates timed on the first calls of a size band.
+
+As STAR-MPI does (Faraj, Yuan & Lowenthal, "STAR-MPI: self tuned adaptive
+routines for MPI collective operations", ICS 2006): where the calibration
+leaves two or more candidates within :data:`CLOSE` of the fastest for a size
+(at most :data:`MOST`; calls of at least :data:`SHORTEST`), ``auto`` runs
+them on the next calls of that size band in turn, :func:`rounds` calls each,
+timing each call on every rank. After the
+last, one ``MPI_Allreduce`` of the timings agrees on them: per call the
+least of the ranks' times (the rank that arrived last waited for no one, so
+its time is the collective's own, whatever the ranks' arrival skew), per
+candidate the median of its calls. The fastest is kept for the band, and
+persisted with the calibration (:mod:`collectives.tuning.cache`).
+
+The calls do their work: tuning costs only the difference between the
+candidates, which the calibration found within :data:`CLOSE` of each other,
+plus one small all-reduce. But while it runs, successive calls of a band
+combine in different orders, so a float result may differ in its last bits
+from a run that tuned elsewhere or not at all. With ``deterministic``
+(:mod:`collectives.tuning.settings`) the session runs all its calls at once
+on a copy of the first call's buffer (:meth:`Session.rehearse`) before that
+call runs the winner, so every real call of a band in a process runs one
+algorithm, and with the persisted result every later process too.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..kernels.plans import Run
+from ..transport import gpu
+from ..transport.ops import Reduction
+from .waits import waiting
+
+#: Candidates whose estimate is within this factor of the fastest's are tuned.
+CLOSE = 1.2
+#: Most candidates tuned in one band.
+MOST = 3
+#: Seconds of calls each candidate aims for (within the bounds of :func:`rounds`).
+TUNE_TIME = 1e-3
+#: Calls shorter than this (seconds) are not tuned: a single call's time there is
+#: mostly the jitter of the machine, and the calibration's batches of calls
+#: measured it better.
+SHORTEST = 100e-6
+
+
+def close(predictions: Mapping[str, float]) -> list[str]:
+    """The candidates worth tuning among ``predictions`` (seconds, least first): those
+    within :data:`CLOSE` of the first, at most :data:`MOST`; none where the first
+    takes less than :data:`SHORTEST`."""
+    ranked = list(predictions)
+    best = predictions[ranked[0]]
+    if best < SHORTEST:
+        return []
+    return [c for c in ranked if predictions[c] <= CLOSE * best][:MOST]
+
+
+def rounds(seconds: float) -> int:
+    """Calls per candidate for a call of about ``seconds``: :data:`TUNE_TIME` worth,
+    3 to 7 (a median of single calls needs a few; fast calls are noisier)."""
+    return max(3, min(7, math.ceil(TUNE_TIME / max(seconds, 1e-9))))
+
+
+class Session:
+    """The online tuning of one size band (module docstring): call it in place of an
+    algorithm on the band's calls until :attr:`result` is set."""
+
+    def __init__(
+        self, runs: Mapping[str, Run], names: list[str], calls: int, comm: MPI.Comm, deterministic: bool = False
+    ) -> None:
+        self.runs, self.comm, self.deterministic = runs, comm, deterministic
+        self.order = names * calls
+        self.times: list[float] = []
+        #: Each candidate's agreed seconds, once every call has run.
+        self.result: dict[str, float] | None = None
+        #: Called with :attr:`result` when it is set.
+        self.done: Callable[[dict[str, float]], None] = lambda result: None
+
+    def __call__(self, x: Any, red: Reduction) -> None:
+        """All-reduce ``x`` with the next candidate, timed; after the last, agree (collective)."""
+        run = self.runs[self.order[len(self.times)]]
+        t0 = time.perf_counter()
+        run(x, red)
+        if type(x) is not np.ndarray:
+            gpu.synchronize()
+        self.times.append(time.perf_counter() - t0)
+        if len(self.times) == len(self.order):
+            self._agree()
+
+    def rehearse(self, x: Any, red: Reduction) -> None:
+        """Run every call of the session on a copy of ``x`` now (collective)."""
+        copy = x.copy()
+        while self.result is None:
+            self(copy, red)
+
+    def _agree(self) -> None:
+        times = np.array(self.times)
+        with waiting(self.comm, "Allreduce of the online tuning's timings", "auto's online tuning"):
+            self.comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MIN)
+        per: dict[str, list[float]] = {}
+        for name, t in zip(self.order, times.tolist()):
+            per.setdefault(name, []).append(t)
+        self.result = {name: statistics.median(ts) for name, ts in per.items()}
+        self.done(self.result)

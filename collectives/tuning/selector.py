@@ -1,0 +1,162 @@
+"""``auto``'s choice on one communicator: candidates, measurements, online tuning.
+
+A :class:`Selector` belongs to ``auto``'s plan on a communicator (with its
+layout and grid). Its candidates are every algorithm's plan: the
+message-passing ones, "shm" for host memory where ranks share a node's
+memory, and "mpi" (the MPI library's own all-reduce) for the dtypes MPI can
+reduce, on device memory only where the library is GPU-aware.
+
+For each kind of memory it keeps a :class:`~collectives.tuning.table.Table`:
+loaded from the persisted cache (:mod:`collectives.tuning.cache`) when it is
+first needed, else empty. A size needs the grid sizes around it
+(:func:`~collectives.tuning.table.needed`); those not yet in the table are
+measured there and then (:mod:`collectives.tuning.sweep`: every candidate,
+interleaved, medians, the slowest rank's time), so the calibration spends
+time only on the sizes the program uses. Where the measurements leave
+candidates close, the first calls of the size band tune among them
+(:mod:`collectives.tuning.online`), where every rank has a core of its own:
+on an oversubscribed node a single call's time is as much the scheduler's as
+the collective's, and the calibration's choice, timed over batches of calls,
+stands. What was measured or tuned is saved
+when the communicator is freed or the program ends.
+
+With ``MPIDL_COSTMODEL`` set on rank 0, the alpha-beta model decides instead
+(:func:`collectives.tuning.costmodel.choose`, parameters from that file):
+no grid, no online tuning, and no "mpi", which the model cannot predict.
+
+Every step that communicates (loading the cache, measuring a grid size,
+starting or ending a tuning) happens at the same call on every rank, after
+the argument check passed, and every rank holds the same table, so every
+rank makes the same choices.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from ..kernels import shm
+from ..kernels.plans import PLANNERS, Request, Run
+from ..topology.layout import Layout, cores_per_rank
+from ..transport import gpu
+from . import cache, online, settings, sweep
+from .costmodel import MODELS, Choice, Params, check_rides, choose
+from .table import Table, needed
+from .waits import waiting
+
+
+class Selector:
+    """The candidates, measurements and tunings of ``auto`` on one communicator
+    (module docstring). Built collectively: the candidates' plans are built."""
+
+    def __init__(self, req: Request, lay: Layout, params: Callable[[Any], Params]) -> None:
+        self.ctx, self.layout, self.grid, self.params = req.ctx, lay, req.grid, params
+        self.shared = shm.capable(req.ctx, lay)
+        self.runs: dict[str, Run] = {name: PLANNERS[name](req) for name in PLANNERS if name != "shm" or self.shared}
+        with waiting(self.ctx.comm, "whether MPIDL_COSTMODEL is set and each rank has a core", "auto's set-up"):
+            flags = self.ctx.comm.allgather((bool(os.environ.get("MPIDL_COSTMODEL")), cores_per_rank(self.ctx)))
+        self.model = flags[0][0]
+        #: The fewest cores per rank on any node: below 1, a single call's time is the
+        #: scheduler's as much as the collective's, and no online tuning runs.
+        self.cores_per_rank = min(cores for _, cores in flags)
+        self.tables: dict[str, tuple[dict[str, Any] | None, Table]] = {}
+        self.changed: set[str] = set()
+        self.sessions: dict[tuple[str, str], online.Session] = {}
+
+    def candidates(self, xp: Any = np, dtype_ok: bool = True) -> list[str]:
+        """The algorithms ``auto`` chooses from for ``xp`` memory (module docstring);
+        ``dtype_ok``: the MPI library can reduce the dtype."""
+        names = [name for name in self.runs if name != "shm" or xp is np]
+        if not dtype_ok or (xp is not np and gpu.PATH.mode != "direct"):
+            names.remove("mpi")
+        return [name for name in names if name in MODELS] if self.model else names
+
+    def choose(self, nbytes: int, xp: Any = np, validate: bool = False, dtype_ok: bool = True) -> Choice:
+        """What ``auto`` runs for ``nbytes`` of ``xp`` memory now, every candidate's time
+        and the reason (collective where a grid size or the check must be measured)."""
+        if self.ctx.size == 1:
+            name = self.candidates(xp, dtype_ok)[0]
+            return Choice(name, nbytes, {}, f"auto: {name} for {nbytes} B on 1 rank: nothing moves", "one rank")
+        if self.model:
+            return choose(nbytes, self.layout, self.params(xp), self.grid, self.candidates(xp, dtype_ok), validate)
+        memory, table = self.table(xp)  # first: it probes the device transport, which decides "mpi"
+        names = self.candidates(xp, dtype_ok)
+        for size in needed(nbytes):
+            if size not in table.points:
+                self._measure(memory, table, size, xp)
+        if validate and table.check is None:
+            table.check = sweep.check_time(self.ctx)
+            self.changed.add(memory)
+        where = f"on {self.ctx.size} ranks ({self.layout})"
+        choice = table.decide(nbytes, names, validate, lambda name: check_rides(name, nbytes, self.layout), where)
+        tune = online.close(choice.predictions) if choice.source.endswith("calibration") else []
+        if len(tune) > 1 and settings.current().online:
+            choice.reason += (
+                f" (online tuning among {', '.join(tune)} decides on the first calls)"
+                if self.timeable
+                else f" (no online tuning among {', '.join(tune)}: {self.cores_per_rank:.2g} cores per rank on a node)"
+            )
+        return choice
+
+    @property
+    def timeable(self) -> bool:
+        """Whether single calls can be timed for the online tuning: every rank has a core
+        of its own (on an oversubscribed node a call's time depends on which ranks the
+        scheduler runs, and the calibration's batches of calls measured it better)."""
+        return self.cores_per_rank >= 1
+
+    def session(self, choice: Choice, xp: Any = np, dtype_ok: bool = True) -> online.Session | None:
+        """The online tuning of ``choice``'s size band, started here if the calibration
+        left close candidates and rank 0 has online tuning on (collective then);
+        None where there is nothing to tune."""
+        if not choice.source.endswith("calibration"):
+            return None
+        names = online.close(choice.predictions)
+        if len(names) < 2 or not self.timeable:
+            return None
+        memory, table = self.table(xp)
+        key = table.band(choice.nbytes, self.candidates(xp, dtype_ok))
+        session = self.sessions.get((memory, key))
+        if session is None:
+            with waiting(self.ctx.comm, "Bcast of the tuning settings", "auto's online tuning"):
+                mode = self.ctx.comm.bcast(settings.current(), root=0)
+            if not mode.online:
+                return None
+            calls = online.rounds(choice.predictions[names[0]])
+            session = online.Session(self.runs, names, calls, self.ctx.comm, mode.deterministic)
+            session.done = lambda result: self._tuned(memory, key, result)
+            self.sessions[memory, key] = session
+        return session
+
+    def table(self, xp: Any = np) -> tuple[str, Table]:
+        """The memory's name and table, loaded from the cache on first use (collective then)."""
+        memory = "host" if xp is np else "device"
+        entry = self.tables.get(memory)
+        if entry is None:
+            if xp is not np:
+                gpu.configure(self.ctx.comm)  # the device transport the algorithms will use (collective)
+            kind = memory if xp is np else f"device, {gpu.PATH.mode}"
+            key = cache.describe(self.ctx.comm, self.layout, self.grid, kind)
+            entry = self.tables[memory] = (key, cache.load(self.ctx.comm, key) or Table())
+        return memory, entry[1]
+
+    def save(self) -> None:
+        """Persist what was measured or tuned (rank 0 writes; no communication)."""
+        for memory in sorted(self.changed):
+            key, table = self.tables[memory]
+            cache.save(key, table)
+        self.changed.clear()
+
+    def _measure(self, memory: str, table: Table, size: int, xp: Any) -> None:
+        names = self.candidates(xp)
+        table.points[size] = sweep.point(self.ctx, {name: self.runs[name] for name in names}, size, xp)
+        if "mpi" in names and "mpi" not in table.excluded and not sweep.identical(self.ctx, self.runs["mpi"], size, xp):
+            table.excluded["mpi"] = f"the MPI library's result differed between ranks at {size} B"
+        self.changed.add(memory)
+
+    def _tuned(self, memory: str, key: str, result: dict[str, float]) -> None:
+        self.tables[memory][1].tuned[key] = result
+        self.sessions.pop((memory, key), None)
+        self.changed.add(memory)

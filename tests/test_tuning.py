@@ -1,0 +1,307 @@
+"""auto's measurements: the table's decisions, the persisted cache, online tuning, "mpi"."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpitest import all_ok
+
+import collectives
+from collectives.transport import p2p
+from collectives.tuning import cache, online, selector, sweep
+from collectives.tuning.table import GRID, Table, band, needed
+
+KIB = 1 << 10
+
+
+def same_everywhere(comm: MPI.Comm, value: object) -> bool:
+    return all_ok(comm, len({json.dumps(v, sort_keys=True) for v in comm.allgather(value)}) == 1)
+
+
+# --- the table (pure) ----------------------------------------------------------
+
+
+def test_estimates_between_and_beyond_the_grid() -> None:
+    table = Table(points={1 * KIB: {"a": 10.0}, 2 * KIB: {"a": 20.0}, GRID[0]: {"a": 3.0}})
+    table.points[GRID[-2]], table.points[GRID[-1]] = {"a": 100.0}, {"a": 200.0}
+    assert needed(1536) == (1 * KIB, 2 * KIB) and needed(2 * KIB) == (2 * KIB,)
+    assert table.estimate("a", 1536) == pytest.approx(15.0)  # a straight line between grid sizes
+    assert table.estimate("a", 2 * KIB) == 20.0
+    assert table.estimate("a", 8) == 3.0  # below the grid: its smallest size's
+    assert table.estimate("a", 2 * GRID[-1]) == pytest.approx(400.0)  # above: the line through the largest two
+    assert table.estimate("b", 1536) is None
+    assert band(192 * KIB) != band(256 * KIB) != band(128 * KIB) and band(3 << 20) != band(4 << 20)
+
+
+def test_decisions_tuned_checked_excluded_and_cached() -> None:
+    table = Table(points={4 * KIB: {"ring": 10e-6, "shm": 11e-6, "mpi": 1e-6}}, check=2e-6)
+    rides = {"ring": False, "shm": True, "mpi": False}.__getitem__
+    unchecked = table.decide(4 * KIB, ["ring", "shm", "mpi"], False, rides)
+    assert (unchecked.algorithm, unchecked.source) == ("mpi", "calibration")
+    table.excluded["mpi"] = "differed between ranks"
+    checked = table.decide(4 * KIB, ["ring", "shm", "mpi"], True, rides)
+    assert checked.algorithm == "shm" and checked.predictions == {"shm": 11e-6, "ring": 12e-6}
+    assert "mpi left out: differed between ranks" in checked.reason
+    key = next(iter({f"{band(4 * KIB)}:ring,shm"}))
+    table.tuned[key] = {"ring": 5e-6, "shm": 9e-6}
+    tuned = table.decide(4 * KIB, ["ring", "shm", "mpi"], False, rides)
+    assert (tuned.algorithm, tuned.source) == ("ring", "online tuning")
+    loaded = Table.from_json(json.loads(json.dumps(table.to_json())))
+    assert loaded.decide(4 * KIB, ["ring", "shm", "mpi"], False, rides).source == "cached online tuning"
+    assert loaded.decide(4 * KIB, ["ring", "shm"], False, rides).source == "cached online tuning"
+    assert loaded.decide(4 * KIB, ["ring"], False, rides).source == "cached calibration"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [None, [], {"points": {"x": {}}, "tuned": {}, "check": None, "excluded": {}}, {"points": {}, "tuned": {}}],
+)
+def test_foreign_tables_are_refused(raw: object) -> None:
+    with pytest.raises(ValueError, match="not a table"):
+        Table.from_json(raw)
+
+
+# --- on a communicator -----------------------------------------------------------
+
+
+@pytest.fixture
+def fresh(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[MPI.Intracomm]:
+    """A new communicator whose auto uses a cache directory of its own (rank 0's
+    temporary directory), online tuning and the cache on."""
+    world = MPI.COMM_WORLD
+    path = world.bcast(str(tmp_path_factory.mktemp("cache")) if world.rank == 0 else None)
+    monkeypatch.setenv("MPIDL_CACHE_DIR", path)
+    previous = collectives.set_tuning(online=True, deterministic=False, cache=True)
+    comm = world.Dup()
+    try:
+        yield comm
+    finally:
+        if comm != MPI.COMM_NULL:
+            comm.Free()
+        collectives.set_tuning(**dataclasses.asdict(previous))
+
+
+def test_choice_is_agreed_on_every_rank(fresh: MPI.Intracomm) -> None:
+    """Every rank chooses alike, from the same measurements (the slowest rank's times)."""
+    choices = [collectives.explain(n, fresh) for n in (3 * KIB, 48 * KIB)]
+    assert same_everywhere(fresh, [(c.algorithm, c.source, c.predictions) for c in choices])
+    assert all(c.source == ("calibration" if fresh.size > 1 else "one rank") for c in choices)
+
+
+def explained(nbytes: int, **options: object) -> collectives.costmodel.Choice:
+    """auto's choice for ``nbytes`` on a new duplicate of the world, freed after (rank 0 saves)."""
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        return collectives.explain(nbytes, comm, **options)  # type: ignore[arg-type]
+    finally:
+        comm.Free()
+
+
+@pytest.fixture
+def measured(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The grid sizes measured from now on, in order."""
+    sizes: list[int] = []
+    real = sweep.point
+    monkeypatch.setattr(
+        sweep, "point", lambda ctx, runs, nbytes, xp=np: sizes.append(nbytes) or real(ctx, runs, nbytes, xp)
+    )
+    return sizes
+
+
+@pytest.mark.timeout(60)
+def test_cache_of_another_machine_library_or_shape_is_not_used(
+    fresh: MPI.Intracomm, measured: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a communicator measured is saved when it is freed and used by the next one
+    of the same machine, library and shape; with any of them changed the sizes are
+    measured anew."""
+    if fresh.size == 1:
+        pytest.skip("one rank measures nothing")
+    world = MPI.COMM_WORLD
+    first = collectives.explain(5 * KIB, fresh)
+    fresh.Free()  # rank 0 saves
+    measured.clear()
+    again = explained(5 * KIB)
+    assert all_ok(world, not measured and again.source == "cached calibration")
+    assert all_ok(world, again.predictions == first.predictions)
+    host, namespace = cache.machine()
+    elsewhere = {
+        "another host": ("machine", lambda: (host + "-elsewhere", namespace)),
+        "another network namespace": ("machine", lambda: (host, (namespace or 0) + 1)),
+        "another MPI library": ("library", lambda: "Open MPI v5.0.8"),
+    }
+    for what, (name, fake) in elsewhere.items():
+        with monkeypatch.context() as m:
+            m.setattr(cache, name, fake)
+            measured.clear()
+            choice = explained(5 * KIB)
+            assert all_ok(world, choice.source == "calibration" and sorted(measured) == [4 * KIB, 8 * KIB]), what
+    measured.clear()
+    choice = explained(5 * KIB, layout="1")  # the same ranks as nodes of one: another shape
+    assert all_ok(world, choice.source == "calibration" and sorted(measured) == [4 * KIB, 8 * KIB])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:mpidl. ignoring auto's measurements")
+@pytest.mark.parametrize("damage", ["foreign key", "not JSON", "not a table"])
+def test_file_not_saved_under_this_key_is_not_used(fresh: MPI.Intracomm, measured: list[int], damage: str) -> None:
+    """A file at this job's path whose key is not the job's (edited, or written by
+    another version of the key), or that holds no table, is ignored: measured anew."""
+    if fresh.size == 1:
+        pytest.skip("one rank measures nothing")
+    world = MPI.COMM_WORLD
+    lay = collectives.topology.layout.layout(fresh)
+    key = cache.describe(fresh, lay, None, "host")
+    if world.rank == 0:
+        assert key is not None
+        target = cache.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        forged = Table(points={s: {"ring": 1e-9} for s in GRID})
+        text = {
+            "foreign key": json.dumps({"key": {**key, "hosts": ["elsewhere"] * world.size}, "table": forged.to_json()}),
+            "not JSON": '{"key": ',
+            "not a table": json.dumps({"key": key, "table": {"points": []}}),
+        }[damage]
+        target.write_text(text)
+    world.Barrier()
+    choice = collectives.explain(5 * KIB, fresh)
+    assert all_ok(world, choice.source == "calibration" and sorted(measured) == [4 * KIB, 8 * KIB]), choice.reason
+
+
+def tune_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online tuning finds every candidate close, at every size (so the three fastest are
+    tuned), and every rank a core of its own (the machine running the tests may have fewer)."""
+    monkeypatch.setattr(online, "CLOSE", 1e9)
+    monkeypatch.setattr(online, "SHORTEST", 0.0)
+    monkeypatch.setattr(selector, "cores_per_rank", lambda ctx: 1.0)
+
+
+def calls_until_decided(comm: MPI.Comm, x: np.ndarray, expected: float, most: int = 30) -> int:
+    """All-reduce ``x`` (each rank's ones times rank + 1) with auto until explain says
+    online tuning chose; every result must be exact. The number of calls."""
+    for calls in range(1, most + 1):
+        x[:] = comm.rank + 1
+        collectives.allreduce(x, comm)
+        assert all_ok(comm, bool(np.all(x == expected)))
+        if collectives.explain(x.nbytes, comm).source.endswith("online tuning"):
+            return calls
+    return most + 1
+
+
+@pytest.mark.timeout(60)
+def test_online_tuning_runs_the_close_candidates_agrees_and_persists(
+    fresh: MPI.Intracomm, measured: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first calls of a size band run the candidates the calibration found close
+    (here: all, so the three fastest) in turn; one agreement later the fastest is
+    kept on every rank, and a later communicator of the same shape uses it at once."""
+    if fresh.size == 1:
+        pytest.skip("one rank has nothing to tune")
+    tune_everything(monkeypatch)
+    p, x = fresh.size, np.zeros(10 * KIB, np.float32)
+    calls = calls_until_decided(fresh, x, p * (p + 1) / 2)
+    choice = collectives.explain(x.nbytes, fresh)
+    assert same_everywhere(fresh, (calls, choice.algorithm, choice.predictions))
+    assert calls in range(online.MOST * 3, online.MOST * 7 + 1) and len(choice.predictions) == online.MOST, choice
+    fresh.Free()
+    monkeypatch.setattr(online, "Session", lambda *a, **k: pytest.fail("tuned again"))
+    measured.clear()
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        assert calls_until_decided(comm, x, p * (p + 1) / 2) == 1 and not measured
+        again = collectives.explain(x.nbytes, comm)
+        assert all_ok(comm, again.source == "cached online tuning" and again.algorithm == choice.algorithm)
+    finally:
+        comm.Free()
+
+
+@pytest.mark.timeout(60)
+def test_no_online_tuning_where_ranks_share_cores(fresh: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a node with fewer cores than ranks a single call's time is the scheduler's as
+    much as the collective's: the calibration's choice stands, and explain() says why."""
+    if fresh.size == 1:
+        pytest.skip("one rank has nothing to tune")
+    tune_everything(monkeypatch)
+    monkeypatch.setattr(selector, "cores_per_rank", lambda ctx: 0.5 if ctx.rank == fresh.size - 1 else 2.0)
+    monkeypatch.setattr(online, "Session", lambda *a, **k: pytest.fail("tuned"))
+    p, x = fresh.size, np.zeros(11 * KIB, np.float32)
+    assert calls_until_decided(fresh, x, p * (p + 1) / 2, most=4) == 5
+    choice = collectives.explain(x.nbytes, fresh)
+    assert all_ok(fresh, choice.source == "calibration" and "no online tuning" in choice.reason), choice.reason
+    assert all_ok(fresh, "0.5 cores per rank" in choice.reason)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_follow_rank_0s_switches(fresh: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online tuning on at rank 0 only: every rank tunes (rank 0's switches rule), so
+    the calls stay matched (a rank that did not tune left the others' agreement
+    waiting, or mixed algorithms)."""
+    if fresh.size == 1:
+        pytest.skip("one rank has nothing to tune")
+    tune_everything(monkeypatch)
+    collectives.set_tuning(online=fresh.rank == 0)
+    p, x = fresh.size, np.zeros(12 * KIB, np.float32)
+    assert all_ok(fresh, calls_until_decided(fresh, x, p * (p + 1) / 2) > 1)
+
+
+@pytest.mark.timeout(60)
+def test_deterministic_tuning_leaves_the_callers_buffer_to_one_algorithm(
+    fresh: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``deterministic``, the first call tunes on a copy and then runs the winner:
+    its result has the winner's bits (summation order) and the choice is made."""
+    if fresh.size == 1:
+        pytest.skip("one rank has nothing to tune")
+    tune_everything(monkeypatch)
+    collectives.set_tuning(deterministic=True)
+    rng = np.random.default_rng(fresh.rank)
+    values = (rng.standard_normal(9 * KIB // 4) * 10.0 ** rng.integers(-6, 7, 9 * KIB // 4)).astype(np.float32)
+    x = values.copy()
+    collectives.allreduce(x, fresh)
+    choice = collectives.explain(x.nbytes, fresh)
+    y = values.copy()
+    collectives.allreduce(y, fresh, collective=choice.algorithm)
+    assert all_ok(fresh, choice.source == "online tuning" and x.tobytes() == y.tobytes()), choice
+
+
+def test_native_only_where_it_reduces_as_the_others(fresh: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto leaves "mpi" out for float16, for min on floats, and everywhere once the
+    library gave ranks different bits at a measured size."""
+    if fresh.size == 1:
+        pytest.skip("one rank measures nothing")
+    assert "mpi" in collectives.explain(5 * KIB, fresh).predictions
+    assert "mpi" in collectives.explain(5 * KIB, fresh, dtype="int32", op="min").predictions
+    assert "mpi" not in collectives.explain(5 * KIB, fresh, dtype="float16").predictions
+    assert "mpi" not in collectives.explain(5 * KIB, fresh, op="min").predictions
+    monkeypatch.setattr(sweep, "identical", lambda *a: False)
+    choice = collectives.explain(40 * KIB, fresh)
+    assert "mpi" not in choice.predictions and "mpi left out: the MPI library's result differed" in choice.reason
+
+
+@pytest.mark.parametrize("dtype, length", [("int64", 5), ("float32", 5), ("float64", 20000)])
+def test_native_counts_an_estimate_and_polls_in_service_threads(dtype: str, length: int) -> None:
+    """ "mpi" counts 2 (p-1)/p of the vector as handed to the library, and works on a
+    thread whose waits poll (nonblocking collectives tested with sleeps)."""
+    comm = MPI.COMM_WORLD
+    p, r = comm.size, comm.rank
+    x = np.full(length, r + 1, dtype)
+    before = p2p.bytes_by_peer().get(p2p.MPI_LIBRARY, 0)
+    collectives.allreduce(x, comm, collective="mpi")
+    counted = p2p.bytes_by_peer().get(p2p.MPI_LIBRARY, 0) - before
+    ok = counted == 2 * (p - 1) * x.nbytes // p and bool(np.all(x == p * (p + 1) // 2))
+    y = np.full(length, r + 1, dtype)
+
+    def polling() -> None:
+        p2p.poll_waits()
+        collectives.allreduce(y, comm, collective="mpi", validate=False)
+
+    thread = threading.Thread(target=polling)
+    thread.start()
+    thread.join(30)
+    assert all_ok(comm, ok and not thread.is_alive() and bool(np.all(y == p * (p + 1) // 2)))
