@@ -1,13 +1,20 @@
-"""``sign``: scaled 1-bit compression, one bit per element and one scale per bucket (biased).
+"""``sign[:b]``, ``sign:layer``: 1-bit compression, one bit per element and one scale per bucket or layer (biased).
 
 For each bucket v of b elements (default 512), C(v) = (||v||_1 / b) sign(v):
 the sign of every element (sign(0) = +1) times the bucket's mean absolute
 value, the scale under which the 1-bit vector keeps the bucket's l1 norm.
 Biased, with error ||v - C(v)||^2 = ||v||^2 - ||v||_1^2 / b <= (1 - 1/b) ||v||^2,
 so it is used with error feedback (on by default), as in EF-signSGD.
+Given the layout of the buffer (``shapes``, as training passes it), the
+buckets restart at every layer; ``sign:layer`` has one scale per layer,
+||v||_1 / d over the layer's d elements, as EF-signSGD scales it
+(Karimireddy et al. apply it per layer). The fraction of ||v||^2 a scale
+keeps, ||v||_1^2 / (b ||v||^2), is smaller over a whole layer whose
+magnitudes vary than over 512 of its elements: error feedback's memory then
+holds more (docs/performance.rst, "Compression", measures both).
 
-What is sent, per chunk of L elements: the bucket scales (one work precision
-float per bucket, 4 bytes for float32), then the sign bits packed eight to
+What is sent, per chunk of L elements: the scales (one work precision
+float per bucket, or per layer's part of the chunk, 4 bytes for float32), then the sign bits packed eight to
 a byte (:mod:`.bits`), padded to 8 bytes: 1/8 + 4/b bytes per element
 (0.133 for b = 512), 1/30 of float32.
 
@@ -84,6 +91,8 @@ class Sign(Compressor):
         """As :meth:`Compressor.from_param`; ``layer`` is one scale per layer."""
         if text is not None and text.strip().lower() == "layer":
             return cls(None, **options)
+        if text is not None and not text.strip().isdigit():
+            raise ArgumentError(f"sign:{text}: the bucket must be a number of elements or 'layer', got {text!r}")
         return super().from_param(text, **options)
 
     def piece(self, start: int, stop: int) -> Compressor:

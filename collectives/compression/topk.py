@@ -1,7 +1,10 @@
 """``topk:ratio``: the k = round(ratio d) elements of largest magnitude, as (index, value) pairs (biased).
 
 C(x) keeps the k elements of largest |x_i| (ties broken by the lower index)
-and zeroes the rest. Biased, with error ||x - C(x)||^2 <= (1 - k/d) ||x||^2:
+and zeroes the rest; given the buffer's layout (``shapes``, as training
+passes it), it keeps round(ratio d_l) of every layer l of d_l elements, as
+Deep Gradient Compression selects (a layer whose gradients are small still
+sends its largest), each layer's part of the payload as below. Biased, with error ||x - C(x)||^2 <= (1 - k/d) ||x||^2:
 used with error feedback (on by default), without which the small
 coordinates would never be updated.
 
