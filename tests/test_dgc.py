@@ -78,6 +78,35 @@ def test_masking_zeroes_the_velocity_of_the_elements_sent(size: int) -> None:
     assert all_ok(comm, ok), size
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_masking_finds_the_elements_of_every_bucket(overlap: bool) -> None:
+    """Torch, a bucket per parameter or two: after a step the velocity with masking is the
+    velocity without it but 0 at every bucket's start plus the indices top-k sent."""
+    torch = pytest.importorskip("torch")
+    from test_overlap import SMALL_BUCKETS, batches, loss, mlp
+
+    comm, velocity, sent = comm_of_size(2), {}, []
+    for masking in (True, False):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        options = {"compression": "topk:0.1", "momentum_masking": masking, "bucket_mb": SMALL_BUCKETS}
+        with algorithms.AllReduceSGD(model, opt, comm, overlap=overlap, **options) as algo:
+            x, y = batches(comm, 1)[0]
+            algo.zero_grad()
+            loss(model, x, y).backward()
+            algo.step()
+            assert algo.local_momentum is not None and algo.compression is not None
+            velocity[masking] = algo.local_momentum.velocity.clone()
+            if masking:
+                sent = [
+                    b.start + np.asarray(f.compressor.selected) for b, f in zip(algo.buckets, algo.compression.feedback)
+                ]
+    masked = velocity[False].clone()
+    masked[torch.as_tensor(np.concatenate(sent))] = 0
+    ok = len(sent) > 2 and torch.equal(velocity[True], masked) and bool(velocity[False][np.concatenate(sent)].all())
+    assert all_ok(comm, ok)
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_warmup_keeps_the_stages_fraction_each_step(size: int) -> None:
     """sparsity_warmup=2 on 4096 elements: top-k keeps 1024, 1024, 256, 256, 64, 64, then
