@@ -112,6 +112,7 @@ from mpi4py import MPI
 
 import collectives
 from collectives import ArgumentError, as_flat, reduction
+from collectives.compression import TopK
 from collectives.errors import renamed, renamed_keyword
 from collectives.kernels.resident import SharedVectors
 from collectives.topology.layout import RanksPerNode, detected
@@ -125,7 +126,8 @@ from . import events
 from .background import spare_cores
 from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
-from .compressed import CompressedSlices, resolve
+from .compressed import CompressedSlices, name_of, part, resolve
+from .dgc import DGC
 from .flat import TorchFlatParams
 from .fused_sgd import SharedSGD, unfusable
 from .join import Join
@@ -217,6 +219,9 @@ class AllReduceSGD(Algorithm):
         error_feedback: bool | None = None,
         local_momentum: bool | None = None,
         compression_start: int = 0,
+        clip_norm: float | None = None,
+        momentum_masking: bool | None = None,
+        sparsity_warmup: int = 0,
         seed: int = 0,
         fuse_update: bool | None = None,
         algorithm: str | None = None,
@@ -231,6 +236,8 @@ class AllReduceSGD(Algorithm):
         self.compression: CompressedSlices | None = None
         self.local_momentum_arg = local_momentum
         self.compression_start = compression_start
+        self.dgc_args = (clip_norm, momentum_masking, sparsity_warmup)
+        self.dgc: DGC | None = None
         self.local_momentum: LocalMomentum | None = None
         self.fuse_update_arg = fuse_update
         self.fused_update: SharedSGD | None = None
@@ -271,6 +278,7 @@ class AllReduceSGD(Algorithm):
             raise ArgumentError(f"compression_start must be a number of steps >= 0, got {start!r}")
         if start and self._compression is None:
             raise ArgumentError("compression_start needs a compression (the steps before it are uncompressed)")
+        self.dgc = self._resolve_dgc()
         self._unfusable = self._why_unfusable(hooked)
         if self.fuse_update_arg and self._unfusable:
             raise ArgumentError(f"fuse_update=True, but {self._unfusable}")
@@ -284,6 +292,7 @@ class AllReduceSGD(Algorithm):
             self.seed if self._compression else None,
             self._local,
             start,
+            None if self.dgc is None else (self.dgc.clip_norm, self.dgc.masking, self.dgc.warmup),
             self.fuse_update_arg,
             self._unfusable is None,
         )
@@ -306,6 +315,26 @@ class AllReduceSGD(Algorithm):
                 "a block would write its own update of it into every worker's model"
             )
         return unfusable(self.optimizer)
+
+    def _resolve_dgc(self) -> DGC | None:
+        """Deep Gradient Compression's switches (:mod:`algorithms.dgc`), checked; None if all are off."""
+        clip_norm, masking, warmup = self.dgc_args
+        if masking is not None and not isinstance(masking, bool):
+            raise ArgumentError(f"momentum_masking must be None, True or False, got {masking!r}")
+        topk = self._compression is not None and name_of(self._compression[0]) == "topk"
+        if clip_norm is not None and self._compression is None:
+            raise ArgumentError("clip_norm clips each worker's gradient before compression: it needs a compression")
+        if warmup and not topk:
+            raise ArgumentError("sparsity_warmup warms top-k's sparsity up: it needs compression topk:RATIO")
+        if masking and not (topk and self._local):
+            raise ArgumentError(
+                "momentum_masking zeroes the local momentum of the elements top-k sent: it needs compression "
+                "topk:RATIO and local momentum"
+            )
+        if clip_norm is None and not masking and not warmup:
+            return None
+        target = collectives.compressor(self._compression[0]) if self._compression is not None else None
+        return DGC(clip_norm, bool(masking), warmup, target.ratio if isinstance(target, TopK) else 1.0)
 
     def _resolve_local_momentum(self) -> bool:
         """Whether the workers apply momentum before compressing (the ``local_momentum``
@@ -514,11 +543,22 @@ class AllReduceSGD(Algorithm):
         if self._shared is not None and self.bucket_collectives[bucket.index] == "shm":
             self._shared.allreduce(bucket.start, bucket.stop, self._sum if joining else self._red, pieces, finish)
             return
+        dgc, k = self.dgc, bucket.index
+        if dgc is not None:
+            dgc.clip(
+                self.flat.grads, [(self._offsets[i], self._offsets[i] + self.flat.sizes[i]) for i in bucket.params]
+            )
         if self.local_momentum is not None:
             self.local_momentum.apply(bucket.params)
         if self.compression is not None and self.iterations >= self.compression_start:
-            k = bucket.index
+            if dgc is not None and dgc.warmup:
+                ratio = dgc.ratio(self.iterations - self.compression_start)
+                self.compression.respec(k, f"topk:{ratio:g}", part(self.flat.layout(), bucket.start, bucket.stop))
             self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_collectives[k])
+            if dgc is not None and dgc.masking and self.local_momentum is not None:
+                compressor = self.compression.feedback[k].compressor
+                assert isinstance(compressor, TopK)  # masking is for top-k only
+                self.local_momentum.mask(bucket.start, compressor.selected)
             return
         collectives.allreduce(
             self._slices[bucket.index],

@@ -8,9 +8,11 @@ between steps:
   locally, at construction; ``none`` and None mean no compression (the
   algorithm's uncompressed path, unchanged);
 * :func:`compressor_for` makes the compressor for a buffer of a given layout:
-  PowerSGD compresses the matrix-shaped parameters, so it takes the
-  (offset, shape) of each parameter inside the buffer
-  (:meth:`algorithms.flat.FlatParams.layout`); the others need nothing;
+  the (offset, shape) of each parameter inside the buffer
+  (:meth:`algorithms.flat.FlatParams.layout`) goes to the compressors that
+  take it: PowerSGD compresses the matrix-shaped parameters, top-k keeps
+  its ratio of every parameter, sign's scales lie inside parameters; the
+  others need nothing;
 * :class:`CompressedSlices` aggregates slices of one flat buffer
   (AllReduce-SGD's buckets, LSGD's whole gradient sum) with a compressor and
   an :class:`~algorithms.error_feedback.ErrorFeedback` memory per slice, and
@@ -124,7 +126,7 @@ def variance_factor(compressor: Compressor, length: int) -> float:
 
 def compressor_for(spec: str, layout: Layout, seed: int = 0) -> Compressor:
     """The compressor ``spec`` names for a buffer laid out as ``layout`` (given to the
-    compressors that take ``shapes``: PowerSGD), seeded with ``seed``.
+    compressors that take ``shapes``: PowerSGD, top-k, sign), seeded with ``seed``.
 
     Raises:
         ArgumentError: a bad spec or option.
@@ -194,6 +196,13 @@ class CompressedSlices:
         ``comm`` (:meth:`ErrorFeedback.allreduce`); ``algorithm`` is the all-reduce of
         the linear compressors."""
         return self.feedback[k].allreduce(buf, comm, op, collective=collective)
+
+    def respec(self, k: int, spec: str, layout: Layout) -> None:
+        """Compress slice ``k`` from now on with the compressor ``spec`` names (for the
+        slice's ``layout``, seeded as before), keeping its memory; nothing if it has it."""
+        f = self.feedback[k]
+        if f.compressor.spec != spec:
+            f.compressor = compressor_for(spec, layout, f.compressor.seed)
 
     def reset(self) -> None:
         """Forget every slice's memory."""

@@ -105,6 +105,17 @@ class LocalMomentum:
             else:
                 _copy(g, u)
 
+    def mask(self, offset: int, indices: Any) -> None:
+        """Zero the velocity of the elements ``offset + indices`` (``indices`` an integer
+        array of the velocity's kind): DGC's momentum factor masking (:mod:`algorithms.dgc`)."""
+        part = self.velocity[offset:]
+        if hasattr(part, "index_fill_"):  # torch
+            import torch
+
+            part.index_fill_(0, torch.as_tensor(indices, device=part.device), 0)
+        else:
+            part[indices] = 0
+
     def hyper(self, i: int) -> tuple[float, float, bool, float]:
         """Parameter ``i``'s (momentum, dampening, nesterov, weight_decay), read now
         (a schedule may change them)."""

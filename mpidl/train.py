@@ -254,6 +254,28 @@ ALGORITHM_OPTIONS = (
         metavar="K",
     ),
     AlgorithmOption(
+        "--clip-norm",
+        "clip_norm",
+        "clip each tensor of each worker's gradient to this l2 norm before compression (DGC's local "
+        "clipping; default none)",
+        type=_parser(float, lambda v: v > 0, "a positive number"),
+        metavar="C",
+    ),
+    AlgorithmOption(
+        "--momentum-masking",
+        "momentum_masking",
+        "zero the local momentum of the elements top-k sent (DGC's momentum factor masking)",
+        switch=True,
+    ),
+    AlgorithmOption(
+        "--sparsity-warmup",
+        "sparsity_warmup",
+        "top-k keeps 25 %%, 6.25 %%, ... of the elements, K steps each, before its ratio (DGC's warm-up; "
+        "default 0: none)",
+        type=_parser(int, lambda v: v >= 0, "a number of steps >= 0"),
+        metavar="K",
+    ),
+    AlgorithmOption(
         "--gamma",
         "gamma",
         "CHOCO-SGD's consensus step size (default: by compressor, docs/training.rst)",

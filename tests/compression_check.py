@@ -35,7 +35,8 @@ from mpi4py import MPI
 from collectives import compression
 from collectives.compression.aggregate import chunks
 
-#: (spec, options) of every case; "shapes" is filled in per length for powersgd.
+#: (spec, options) of every case; "shapes" is filled in per length for powersgd, and
+#: where a case sets it to True (sign's and top-k's scales and selections per layer).
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("none", {}),
     ("fp16", {}),
@@ -45,9 +46,12 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("qsgd:5", {"bucket": 7}),
     ("qsgd:127", {"aggregation": "allgather", "bucket": 16}),
     ("sign", {}),
-    ("sign", {"bucket": 24}),
-    ("sign", {"aggregation": "allgather", "bucket": 5}),
+    ("sign:24", {}),
+    ("sign:5@allgather", {}),
+    ("sign:4", {"shapes": True}),
+    ("sign:layer", {"shapes": True}),
     ("topk:0.1", {}),
+    ("topk:0.1", {"shapes": True}),
     ("topk:1", {}),
     ("randk:0.25", {}),
     ("powersgd:2", {}),
@@ -90,7 +94,7 @@ def rank_input(rank: int, length: int, dtype: str) -> np.ndarray:
 
 
 def build(spec: str, options: dict[str, Any], length: int) -> compression.Compressor:
-    if spec.startswith("powersgd"):
+    if spec.startswith("powersgd") or options.get("shapes"):
         options = {**options, "shapes": shapes_for(length)}
     return compression.create(spec, **options)
 
@@ -176,8 +180,9 @@ def reference(
         elems, _ = chunks(fresh, length, n, np.dtype(work))
         out = np.zeros(length, work)
         for lo, hi in zip(elems, elems[1:]):
-            part = _aggregated(fresh, [x[lo:hi] for x in xs], op)
-            out[lo:hi] = part if n == 1 else fresh.decompress(fresh.compress(part), np.empty_like(part))
+            piece = fresh.piece(lo, hi)  # sign with a layout: the chunk's own scales per layer
+            part = _aggregated(piece, [x[lo:hi] for x in xs], op)
+            out[lo:hi] = part if n == 1 else piece.decompress(piece.compress(part), np.empty_like(part))
     exact = to_host(make_buffer(out.astype(np.float64), dtype))
     return exact, (0 if device == "cpu" else 8 * eps * np.abs(exact))
 

@@ -20,6 +20,7 @@ import algorithms
 from algorithms import SGD, allreduce_sgd
 from algorithms.compressed import consensus_step, variance_factor
 from collectives import ArgumentError, compression
+from collectives.compression.aggregate import chunks
 from mpidl import peers
 from mpidl.train import TrainConfig, train
 
@@ -315,18 +316,25 @@ def test_compression_starts_after_the_uncompressed_steps(size: int) -> None:
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_the_aggregation_chosen_in_the_spec(size: int) -> None:
-    """sign@allgather: every rank's 1-bit vector reaches every rank (n (n-1) payloads
-    in all per bucket; the reduce-scatter sends 2 (n-1), this small model's buckets being
-    one chunk each), one model on every rank, and local momentum on as for sign;
-    CHOCO-SGD refuses an aggregation, it aggregates nothing."""
+    """sign@allgather: every rank's 1-bit vector reaches every rank (n (n-1) payloads P
+    of a bucket in all; the reduce-scatter sends 2 (n-1) times the n chunks' payloads,
+    whose scales restart at every layer and chunk), one model on every rank, and local
+    momentum on as for sign; CHOCO-SGD refuses an aggregation, it aggregates nothing."""
     comm = comm_of_size(size)
-    n, ok, sent = comm.Get_size(), True, {}
+    n, ok, sent, payloads = comm.Get_size(), True, {}, {}
     for spec in ("sign", "sign@allgather"):
         params, algo = run_torch(comm, False, compression=spec, collective="ring")
         sent[spec] = comm.allreduce(algo.bytes_sent)
         ok &= same_everywhere(comm, params) and algo.compression is not None and algo.local_momentum is not None
+        assert algo.compression is not None
         ok &= algo.compression.feedback[0].compressor.aggregation == ("allgather" if "@" in spec else "reduce_scatter")
-    ok &= sent["sign@allgather"] * 2 == sent["sign"] * n
+        payloads[spec] = sum(
+            chunks(f.compressor, b - a, n, np.dtype(np.float32))[1][n]
+            if "@" not in spec
+            else f.compressor.payload_nbytes(b - a)
+            for f, (a, b) in zip(algo.compression.feedback, algo.compression.bounds)
+        )
+    ok &= sent["sign@allgather"] * 2 * payloads["sign"] == sent["sign"] * n * payloads["sign@allgather"]
     x = np.zeros(8)
     with pytest.raises(ArgumentError, match="CHOCO-SGD sends each neighbor the payload itself"):
         algorithms.DPSGD(x, SGD(x, lr=0.1), comm, compression="sign@allgather")

@@ -78,7 +78,10 @@ def test_registry_names_every_compressor_and_specs_round_trip() -> None:
         ("qsgd:128", {}, "levels must be 1 to 127"),
         ("qsgd:1.5", {}, "the levels must be int"),
         ("qsgd", {"bucket": 0}, "bucket must be at least 1"),
-        ("sign:3", {}, "'sign' takes no parameter"),
+        ("sign:0", {}, "bucket must be at least 1"),
+        ("sign:x", {}, "sign:x: the bucket must be a number of elements or 'layer', got 'x'"),
+        ("sign:8", {"shapes": [(0, (4,)), (2, (4,))]}, "sign: layout entry 1 starts at 2"),
+        ("topk:0.1", {"shapes": [(0, (4, -1))]}, "topk: layout entry 0 has a negative dimension"),
         ("none:1", {}, "'none' takes no parameter"),
         ("powersgd:0", {"shapes": [(0, (4, 4))]}, "rank must be at least 1"),
         ("powersgd:4", {}, "powersgd needs the layers' layout"),
@@ -145,6 +148,41 @@ def test_sign_is_the_bucket_mean_magnitude_times_the_sign(dtype: str) -> None:
             [np.where(v >= 0, 1, -1) * np.mean(np.abs(v)) for v in np.split(work, range(24, n, 24))] if n else [[]]
         )
         assert np.array_equal(host(out), host(buffer(expected.astype(work.dtype), dtype))), n
+
+
+#: A layout of 4 + 0 + 30 + 7 elements: the scales and selections of layers restart at 4, 34.
+LAYERS = [(0, (4,)), (4, (0,)), (4, (5, 6)), (34, (7,))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sign_per_layer_is_each_layers_l1_norm_over_its_size(dtype: str) -> None:
+    """sign:layer, EF-signSGD's scaled sign: every layer's scale is ||v||_1 / d of that
+    layer; sign:8 with a layout: buckets of 8 that restart at every layer."""
+    x = host(buffer(np.random.default_rng(3).standard_normal(41) * np.repeat([1.0, 1.0, 10.0], [4, 30, 7]), dtype))
+    work = x.astype(np.float64 if dtype == "float64" else np.float32)
+    for spec, bounds in [("sign:layer", [4, 34]), ("sign:8", [4, 12, 20, 28, 34])]:
+        c = create(spec, shapes=LAYERS)
+        scales = (len(bounds) + 1) * work.itemsize
+        assert c.spec == spec and c.payload_nbytes(41, dtype) == 8 * -(-(scales + 6) // 8)  # 41 bits: 6 bytes
+        out = buffer(np.zeros(41), dtype)
+        c.decompress(c.compress(buffer(x, dtype)), out)
+        expected = np.concatenate([np.where(v >= 0, 1, -1) * np.mean(np.abs(v)) for v in np.split(work, bounds)])
+        assert np.array_equal(host(out), host(buffer(expected.astype(work.dtype), dtype))), spec
+    assert create("sign:layer").payload_nbytes(41) == 8 + 8  # no layout: one scale for the buffer
+
+
+def test_topk_per_layer_keeps_each_layers_largest() -> None:
+    """With a layout, top-k keeps round(ratio d_l) (at least 1) of every layer l, and
+    ``selected`` lists them in order."""
+    x = np.random.default_rng(4).standard_normal(41) * np.repeat([1.0, 1.0, 10.0], [4, 30, 7])
+    c = create("topk:0.2", shapes=LAYERS)
+    out = np.zeros(41)
+    c.decompress(c.compress(x), out)
+    keep = [a + np.sort(np.argsort(-np.abs(x[a:b]))[:k]) for a, b, k in [(0, 4, 1), (4, 34, 6), (34, 41, 1)]]
+    assert np.array_equal(c.selected, np.concatenate(keep)) and c.k(41) == 8
+    assert np.array_equal(np.flatnonzero(out), c.selected) and np.allclose(out[c.selected], x[c.selected], rtol=1e-3)
+    with pytest.raises(ArgumentError, match="the layout covers 41 elements, the buffer has 40"):
+        c.compress(x[:40])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

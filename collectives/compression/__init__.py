@@ -21,6 +21,7 @@ spec           sent per elem. unbiased EF    aggregation                vs ring 
 ``bf16``       2 B            (round)  no    reduce-scatter, f32 sums   1/2         0.50
 ``qsgd:127``   1 B + 4/512    yes      no    reduce-scatter, re-encode  0.252       0.252
 ``sign``       1/8 B + 4/512  no       yes   reduce-scatter, re-encode  0.033       0.033
+``sign:layer`` 1/8 B + 4/layer no       yes   reduce-scatter, re-encode  0.031       0.031
 ``topk:0.01``  4 x 0.01 B     no       yes   all-gather                 n 0.005     0.020
 ``randk:0.01`` 4 x 0.01 B     yes      no    all-reduce of k values     0.01        0.01
 ``powersgd:4`` 4 (r+c) B/mat. no       yes   2 all-reduces (P, Q)       4(r+c)/rc   1/256 (2048^2)
@@ -62,7 +63,8 @@ def create(spec: str | Compressor, **options: Any) -> Compressor:
         spec: NAME in :data:`COMPRESSORS`, PARAM its parameter (default if left out),
             AGGREGATION one of the class's ``aggregations`` (default: the first).
         options: the class's keyword arguments: ``aggregation`` (the spec's, if it
-            has one), ``seed``; ``bucket`` (qsgd, sign); ``shapes`` (powersgd, required).
+            has one), ``seed``; ``bucket`` (qsgd, sign); ``shapes`` (powersgd, required; sign and
+            topk: scales and selections per layer).
 
     Raises:
         ArgumentError: unknown name, bad parameter, aggregation or option.

@@ -23,7 +23,9 @@ vector of d elements, and a payload of P bytes:
 1-bit Adam's (Tang et al. 2021):
 
 1. the vector is cut into n chunks on bucket boundaries (the codec's scales
-   are per bucket); every rank encodes each chunk on its own;
+   are per bucket, or per layer: then each chunk's piece of a layer has its
+   own scale, :meth:`~.base.Compressor.piece`); every rank encodes each chunk
+   on its own;
 2. pairwise exchange, n-1 steps: at step s rank r sends its encoding of chunk
    r+s to rank r+s and receives rank r-s's encoding of chunk r;
 3. rank r decodes the n encodings of chunk r, sums them in rank order (divides
@@ -105,6 +107,7 @@ class Codec(Protocol):
 
     bucket: int
 
+    def piece(self, start: int, stop: int) -> Codec: ...
     def _nbytes(self, length: int, dtype: np.dtype) -> int: ...
     def _encode(self, x: Any, out: Any) -> None: ...
     def _decode(self, payload: Any, out: Any) -> None: ...
@@ -137,14 +140,15 @@ def scatter(codec: Codec, x: Any, residual: Any, call: Call) -> None:
     elems, offsets = chunks(codec, x.shape[0], n, x.dtype)
     sent = scratch(x, offsets[n], PAYLOAD, np.uint8)
     parts = [(x[elems[j] : elems[j + 1]], sent[offsets[j] : offsets[j + 1]]) for j in range(n)]
-    for chunk, payload in parts:
-        codec._encode(chunk, payload)
+    codecs = [codec.piece(elems[j], elems[j + 1]) for j in range(n)]
+    for c, (chunk, payload) in zip(codecs, parts):
+        c._encode(chunk, payload)
     if residual is not None:
         for j, (_, payload) in enumerate(parts):
-            codec._decode(payload, residual[elems[j] : elems[j + 1]])
+            codecs[j]._decode(payload, residual[elems[j] : elems[j + 1]])
         xp.subtract(x, residual, out=residual)
     if n == 1:
-        codec._decode(sent, x)
+        codecs[0]._decode(sent, x)
         return
     comm, mine = call.ctx.comm, parts[r][1]
     size = mine.shape[0]
@@ -153,17 +157,17 @@ def scatter(codec: Codec, x: Any, residual: Any, call: Call) -> None:
         dest, source = (r + s) % n, (r - s) % n
         sendrecv(comm, parts[dest][1], dest, received[source * size : (source + 1) * size], source)
     acc = scratch(x, elems[r + 1] - elems[r], ACCUMULATOR)
-    _decode_sum(codec, [mine if i == r else received[i * size : (i + 1) * size] for i in range(n)], acc)
+    _decode_sum(codecs[r], [mine if i == r else received[i * size : (i + 1) * size] for i in range(n)], acc)
     _finish(acc, call.op, n)
     kept = None if call.server is None else call.server[elems[r] : elems[r + 1]]
     if kept is not None:
         xp.add(acc, kept, out=acc)
-    codec._encode(acc, mine)
+    codecs[r]._encode(acc, mine)
     for s in range(1, n):
         dest, source = (r + s) % n, (r - s) % n
         sendrecv(comm, mine, dest, parts[source][1], source)
-    for chunk, payload in parts:
-        codec._decode(payload, chunk)
+    for c, (chunk, payload) in zip(codecs, parts):
+        c._decode(payload, chunk)
     if kept is not None:  # the second encoding's error, kept for the next step
         xp.subtract(acc, parts[r][0], out=kept)
     elif residual is not None:  # the second encoding's error, as the ranks' sum sees it
@@ -194,7 +198,7 @@ def hierarchical(codec: Codec, x: Any, residual: Any, call: Call) -> None:
     lo, hi = elems[i], elems[i + 1]
     server = None if call.server is None else call.server[lo:hi]
     part = None if residual is None else residual[lo:hi]
-    scatter(codec, x[lo:hi], part, Call(col, context(col), "sum", call.algorithm, server))
+    scatter(codec.piece(lo, hi), x[lo:hi], part, Call(col, context(col), "sum", call.algorithm, server))
     if residual is not None:
         residual[:lo] = 0
         residual[hi:] = 0
@@ -208,12 +212,13 @@ def hierarchical(codec: Codec, x: Any, residual: Any, call: Call) -> None:
 def chunks(codec: Codec, length: int, n: int, dtype: np.dtype) -> tuple[list[int], list[int]]:
     """The element bounds of the n chunks of a vector of ``length`` (on multiples of
     the codec's bucket, balanced by :func:`~collectives.transport.chunks.chunk_bounds`)
-    and the byte offsets of their encodings, one after another."""
+    and the byte offsets of their encodings (each by the codec of its piece), one
+    after another."""
     b = codec.bucket
     elems = [min(i * b, length) for i in chunk_bounds(-(-length // b), n)]
     offsets = [0]
     for j in range(n):
-        offsets.append(offsets[-1] + codec._nbytes(elems[j + 1] - elems[j], dtype))
+        offsets.append(offsets[-1] + codec.piece(elems[j], elems[j + 1])._nbytes(elems[j + 1] - elems[j], dtype))
     return elems, offsets
 
 

@@ -73,7 +73,9 @@ arrays in top-k and random-k, and O(rows x r) in PowerSGD's QR).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -93,6 +95,9 @@ from .memory import DECODED, EXTRA, PAYLOAD, RESIDUAL, SERVER, WORK
 
 #: Ops a compressed aggregation supports.
 OPS = ("sum", "avg")
+
+#: A layout: (offset, shape) of every layer (tensor) of a buffer, in the buffer's order.
+Shapes = Sequence[tuple[int, Sequence[int]]]
 
 HALF = frozenset({"float16", "bfloat16"})
 
@@ -124,6 +129,30 @@ def bucket_rows(views: list[Any], per_bucket: Any) -> list[Any]:
         out.append(per_bucket[start : start + v.shape[0], None])
         start += v.shape[0]
     return out
+
+
+def layer_bounds(shapes: Shapes, name: str) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(start, stop, shape) of every layer of ``shapes``; ArgumentError (naming the
+    compressor ``name``) unless the layout tiles the buffer from 0 in order, without
+    gaps or overlaps."""
+    bounds: list[tuple[int, int, tuple[int, ...]]] = []
+    end = 0
+    for i, entry in enumerate(shapes):
+        try:
+            offset, shape = entry
+            offset, dims = int(offset), tuple(int(d) for d in shape)
+        except (TypeError, ValueError):
+            raise ArgumentError(f"{name}: layout entry {i} must be (offset, shape), got {entry!r}") from None
+        if offset != end:
+            raise ArgumentError(
+                f"{name}: layout entry {i} starts at {offset}, but the layers before it end at {end}: "
+                "the layout must tile the buffer in order, without gaps or overlaps"
+            )
+        if any(d < 0 for d in dims):
+            raise ArgumentError(f"{name}: layout entry {i} has a negative dimension: {dims}")
+        end = offset + math.prod(dims)
+        bounds.append((offset, end, dims))
+    return bounds
 
 
 class Compressor(ABC):
@@ -342,6 +371,12 @@ class Compressor(ABC):
         tmp = scratch(out, out.shape[0], EXTRA)
         self._decode(payload, tmp)
         array_module(out).add(out, tmp, out=out)
+
+    def piece(self, start: int, stop: int) -> Compressor:
+        """The codec of elements ``start`` to ``stop`` of the vectors this compressor
+        encodes (the chunks of ``reduce_scatter``): itself, unless its encoding depends
+        on where an element lies (sign's scales per layer)."""
+        return self
 
     def _aggregate(self, x: Any, residual: Any, call: Call) -> None:
         """Replace ``x`` (work precision) by the aggregate; write the residual if asked."""

@@ -46,9 +46,7 @@ Algorithm 1, with error feedback).
 
 from __future__ import annotations
 
-import math
 import zlib
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -58,11 +56,8 @@ from ..errors import ArgumentError
 from ..transport.buffers import FlatBuffer, array_module
 from ..transport.scratch import scratch
 from .aggregate import Call
-from .base import Compressor
+from .base import Compressor, Shapes, layer_bounds
 from .memory import CODEC
-
-#: A layout: (offset, shape) of every layer, in the buffer's order.
-Shapes = Sequence[tuple[int, Sequence[int]]]
 
 
 class PowerSGD(Compressor):
@@ -211,27 +206,14 @@ def _layout(shapes: Shapes, rank: int) -> tuple[list[tuple[int, int, int]], list
     layers: list[tuple[int, int, int]] = []
     plain: list[tuple[int, int]] = []
     end = 0
-    for i, entry in enumerate(shapes):
-        try:
-            offset, shape = entry
-            offset, dims = int(offset), tuple(int(d) for d in shape)
-        except (TypeError, ValueError):
-            raise ArgumentError(f"powersgd: layout entry {i} must be (offset, shape), got {entry!r}") from None
-        if offset != end:
-            raise ArgumentError(
-                f"powersgd: layout entry {i} starts at {offset}, but the layers before it end at {end}: "
-                "the layout must tile the buffer in order, without gaps or overlaps"
-            )
-        if any(d < 0 for d in dims):
-            raise ArgumentError(f"powersgd: layout entry {i} has a negative dimension: {dims}")
-        size = math.prod(dims)
+    for offset, end, dims in layer_bounds(shapes, "powersgd"):
+        size = end - offset
         rows = dims[0] if dims else 1
         cols = size // rows if rows else 0
         if len(dims) >= 2 and rank * (rows + cols) < rows * cols:
             layers.append((offset, rows, cols))
         elif size and plain and plain[-1][1] == offset:
-            plain[-1] = (plain[-1][0], offset + size)
+            plain[-1] = (plain[-1][0], end)
         elif size:
-            plain.append((offset, offset + size))
-        end = offset + size
+            plain.append((offset, end))
     return layers, plain, end

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import COMPRESSORS, Compressor, create
-from .powersgd import Shapes
+from .base import Shapes
 
 #: The compressors the script times, each with its usual parameter.
 SPECS = ("none", "fp16", "bf16", "qsgd:127", "sign", "topk:0.01", "randk:0.01", "powersgd:4")

@@ -1,7 +1,10 @@
 """``topk:ratio``: the k = round(ratio d) elements of largest magnitude, as (index, value) pairs (biased).
 
 C(x) keeps the k elements of largest |x_i| (ties broken by the lower index)
-and zeroes the rest. Biased, with error ||x - C(x)||^2 <= (1 - k/d) ||x||^2:
+and zeroes the rest; given the buffer's layout (``shapes``, as training
+passes it), it keeps round(ratio d_l) of every layer l of d_l elements, as
+Deep Gradient Compression selects (a layer whose gradients are small still
+sends its largest), each layer's part of the payload as below. Biased, with error ||x - C(x)||^2 <= (1 - k/d) ||x||^2:
 used with error feedback (on by default), without which the small
 coordinates would never be updated.
 
@@ -41,15 +44,16 @@ al., "Deep Gradient Compression", ICLR 2018.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import numpy as np
 
 from ..errors import ArgumentError
-from ..transport.buffers import array_module
+from ..transport.buffers import FlatBuffer, array_module
 from ..transport.ops import narrow, widen
 from ..transport.scratch import scratch
-from .base import Compressor, round8
+from .base import Compressor, Shapes, layer_bounds, round8
 from .memory import CODEC, take
 
 #: Elements per block of the indices' high bits (the low 16 bits are sent per index).
@@ -61,7 +65,15 @@ class TopK(Compressor):
 
     Args:
         ratio: k / d, in (0, 1]; at least one element of a non-empty vector is kept.
+        shapes: the layout of the buffers to compress, ``[(offset, shape), ...]`` in
+            order (as PowerSGD's): k = ratio d_l elements of every layer l are kept,
+            as Deep Gradient Compression selects; None: of the whole vector.
         aggregation, seed: see :class:`~collectives.compression.base.Compressor`.
+
+    Attributes:
+        layers: (start, stop) of every layer, or None without a layout.
+        selected: the indices the last encoding kept, ascending within each layer
+            (an array of this compressor's, rewritten by the next encoding).
     """
 
     name = "topk"
@@ -69,23 +81,54 @@ class TopK(Compressor):
     feedback = True
     aggregations = ("allgather",)
 
-    def __init__(self, ratio: float = 0.01, **options: Any) -> None:
+    def __init__(self, ratio: float = 0.01, *, shapes: Shapes | None = None, **options: Any) -> None:
         super().__init__(**options)
         self.ratio = check_ratio(self.name, ratio)
         self.spec = f"topk:{self.ratio:g}"
+        self.layers = None if shapes is None else [(a, b) for a, b, _ in layer_bounds(shapes, "topk")]
+        self.selected: Any = np.zeros(0, np.intp)
         self._ramps: dict[Any, Any] = {}
 
     def k(self, length: int) -> int:
-        """Elements kept of a vector of ``length``."""
-        return kept(self.ratio, length)
+        """Elements kept of a vector of ``length`` (the sum over its layers)."""
+        return sum(kept(self.ratio, b - a) for a, b in self._regions(length))
 
-    def _nbytes(self, length: int, dtype: np.dtype) -> int:
-        k = self.k(length)
+    def _check(self, flat: FlatBuffer) -> None:
+        self._regions(flat.size)
+
+    def _options(self, algorithm: str) -> str:
+        layers = "none" if self.layers is None else f"{zlib.crc32(repr(self.layers).encode()):08x}"
+        return f"{super()._options(algorithm)}, layers {layers}"
+
+    def _regions(self, length: int) -> list[tuple[int, int]]:
+        """The layers of a vector of ``length`` elements (with a layout, its length must match)."""
+        if self.layers is None:
+            return [(0, length)]
+        covered = self.layers[-1][1] if self.layers else 0
+        if length != covered:
+            raise ArgumentError(f"topk: the layout covers {covered} elements, the buffer has {length}")
+        return self.layers
+
+    def _parts(self, length: int, dtype: np.dtype) -> list[tuple[int, int, int, int]]:
+        """(start, stop, payload offset, payload bytes) of every layer of a vector of ``length``."""
+        parts, at = [], 0
+        for a, b in self._regions(length):
+            nbytes = self._layer_nbytes(b - a, dtype)
+            parts.append((a, b, at, nbytes))
+            at += nbytes
+        return parts
+
+    def _layer_nbytes(self, length: int, dtype: np.dtype) -> int:
+        """Payload bytes of one layer of ``length`` elements."""
+        k = kept(self.ratio, length)
         return round8(dtype.itemsize + 4 * k + 4 * -(-length // BLOCK)) if k else 0
 
+    def _nbytes(self, length: int, dtype: np.dtype) -> int:
+        return sum(nbytes for *_, nbytes in self._parts(length, dtype))
+
     def _fields(self, payload: Any, length: int, dtype: np.dtype) -> tuple[Any, Any, Any, Any]:
-        """The payload's scale (one element), values, low index bits and block counts."""
-        k, head = self.k(length), dtype.itemsize
+        """A layer's payload's scale (one element), values, low index bits and block counts."""
+        k, head = kept(self.ratio, length), dtype.itemsize
         ends = (head, head + 2 * k, head + 4 * k, head + 4 * k + 4 * -(-length // BLOCK))
         return (
             payload[: ends[0]].view(dtype),
@@ -95,10 +138,23 @@ class TopK(Compressor):
         )
 
     def _encode(self, x: Any, out: Any) -> None:
+        xp = array_module(x)
+        total = self.k(x.shape[0])
+        if self.selected.shape[0] != total or array_module(self.selected) is not xp:
+            self.selected = xp.zeros(total, np.intp)
+        at = 0
+        for a, b, offset, nbytes in self._parts(x.shape[0], x.dtype):
+            index = self._encode_layer(x[a:b], out[offset : offset + nbytes])
+            self.selected[at : at + index.shape[0]] = index
+            self.selected[at : at + index.shape[0]] += a
+            at += index.shape[0]
+
+    def _encode_layer(self, x: Any, out: Any) -> Any:
+        """Write the payload of one layer ``x`` into ``out``; the kept indices (scratch)."""
         xp, n = array_module(x), x.shape[0]
-        k = self.k(n)
+        k = kept(self.ratio, n)
         if k == 0:
-            return
+            return x[:0].astype(np.intp)
         magnitude, selected = scratch(x, n, CODEC), scratch(x, n, CODEC + 1, np.bool_)
         xp.abs(x, out=magnitude)
         xp.isnan(magnitude, out=selected)
@@ -124,14 +180,15 @@ class TopK(Compressor):
             index[above.shape[0] :] = xp.flatnonzero(selected)[: k - above.shape[0]]
             index.sort()
         scale, values, low, counts = self._fields(out, n, x.dtype)
-        kept = scratch(x, k, CODEC + 4)
-        take(x, index, kept)
-        top = float(xp.max(xp.abs(kept)))
+        chosen = scratch(x, k, CODEC + 4)
+        take(x, index, chosen)
+        top = float(xp.max(xp.abs(chosen)))
         scale[0] = 2.0 ** math.frexp(top)[1] if math.isfinite(top) and top > 0 else 1.0
-        xp.divide(kept, scale[0], out=kept)
-        narrow(kept, values, "float16")
+        xp.divide(chosen, scale[0], out=chosen)
+        narrow(chosen, values, "float16")
         xp.bitwise_and(index, BLOCK - 1, out=low, casting="unsafe")
         counts[:] = xp.bincount(index >> 16, minlength=counts.shape[0])
+        return index
 
     def _ramp(self, xp: Any, n: int, dtype: np.dtype) -> Any:
         """-1, -2, ..., -n in ``dtype`` (kept, grown when a longer one is asked for)."""
@@ -145,18 +202,23 @@ class TopK(Compressor):
         self._decode_add(payload, out)
 
     def _decode_add(self, payload: Any, out: Any) -> None:
+        for a, b, offset, nbytes in self._parts(out.shape[0], out.dtype):
+            self._decode_layer(payload[offset : offset + nbytes], out[a:b])
+
+    def _decode_layer(self, payload: Any, out: Any) -> None:
+        """Add the layer ``payload`` encodes to ``out``."""
         n = out.shape[0]
-        k = self.k(n)
+        k = kept(self.ratio, n)
         if k == 0:
             return
         xp = array_module(out)
         scale, values, low, counts = self._fields(payload, n, out.dtype)
         index = xp.repeat(xp.arange(counts.shape[0], dtype=np.intp) << 16, counts.astype(np.intp))
         index += low
-        kept = scratch(out, k, CODEC + 4)
-        widen(values, kept, "float16")
-        xp.multiply(kept, scale[0], out=kept)
-        out[index] += kept
+        chosen = scratch(out, k, CODEC + 4)
+        widen(values, chosen, "float16")
+        xp.multiply(chosen, scale[0], out=chosen)
+        out[index] += chosen
 
 
 def check_ratio(name: str, ratio: float) -> float:
