@@ -143,15 +143,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="plot time vs size, one line per algorithm (needs matplotlib)")
 
 
-def candidates(names: Sequence[str], validate: bool, device: str = "cpu") -> dict[str, Callable[[Any], object]]:
-    """Callables that all-reduce a buffer in place (native out-of-place: into a
-    second buffer), by candidate name. On "cuda" each call is bracketed by stream
-    synchronisations, and native MPI gets device pointers only if the MPI
-    library is GPU-aware (:mod:`collectives.transport.gpu`); otherwise it is timed with
-    the same staging through pinned host memory ("native_staged")."""
+def candidates(
+    names: Sequence[str], validate: bool, device: str = "cpu", comm: Any = None
+) -> dict[str, Callable[[Any], object]]:
+    """Callables that all-reduce a buffer in place over ``comm`` (default
+    ``MPI_COMM_WORLD``; native out-of-place: into a second buffer), by candidate
+    name. On "cuda" each call is bracketed by stream synchronisations, and native
+    MPI gets device pointers only if the MPI library is GPU-aware
+    (:mod:`collectives.transport.gpu`); otherwise it is timed with the same staging
+    through pinned host memory ("native_staged")."""
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
+    comm = MPI.COMM_WORLD if comm is None else comm
     out: dict[str, Callable[[Any], object]] = {}
     spare: dict[Any, Any] = {}
 
@@ -206,8 +209,10 @@ def run(
     tuned_malloc: bool = False,
     progress: bool = True,
     device: str = "cpu",
+    comm: Any = None,
 ) -> list[Result]:
-    """Run the sweep (collective over COMM_WORLD) and return every rank the results.
+    """Run the sweep (collective over ``comm``, default COMM_WORLD) and return every
+    rank the results.
 
     Each result also carries the cost model's prediction (mpidl's algorithms)
     and the fraction of the bandwidth bound 2(n-1)/n * size * beta it reaches,
@@ -215,12 +220,12 @@ def run(
     """
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
+    comm = MPI.COMM_WORLD if comm is None else comm
     n = comm.Get_size()
     lay = layout(comm)
     xp = np if device == "cpu" else importlib.import_module("cupy")
     prm = collectives.cost_params(comm, device=device)
-    fns = candidates(names, validate, device)
+    fns = candidates(names, validate, device, comm)
     tuning = collectives.set_tuning(deterministic=True)  # auto tunes in full at its first call (docstring)
     try:
         results = _sweep(comm, sizes, fns, dtype, xp, repeat, batch_time, tuned_malloc, progress)

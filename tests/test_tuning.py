@@ -231,7 +231,7 @@ def test_bench_times_auto_after_its_tuning(fresh: MPI.Intracomm, monkeypatch: py
     if fresh.size == 1:
         pytest.skip("one rank has nothing to tune")
     tune_everything(monkeypatch)
-    results = bench.run([13 * KIB], ["auto", "ring"], repeat=1, batch_time=0.0, progress=False)
+    results = bench.run([13 * KIB], ["auto", "ring"], repeat=1, batch_time=0.0, progress=False, comm=fresh)
     auto = next(r for r in results if r.algorithm == "auto")
     assert all_ok(fresh, auto.source.endswith("online tuning")), auto.source
     assert collectives.set_tuning() == collectives.TuningSettings(online=True, deterministic=False, cache=True)
