@@ -126,7 +126,7 @@ from . import events
 from .background import spare_cores
 from .base import Algorithm
 from .buckets import DEFAULT_BUCKET_MB, Bucket, Tracker, plan
-from .compressed import CompressedSlices, name_of, part, resolve
+from .compressed import CompressedSlices, name_of, resolve
 from .dgc import DGC
 from .flat import TorchFlatParams
 from .fused_sgd import SharedSGD, unfusable
@@ -398,6 +398,8 @@ class AllReduceSGD(Algorithm):
         self._slices = [grads[b.start : b.stop] for b in self.buckets]
         offsets = np.cumsum((0, *self.flat.sizes))
         self._offsets = [int(o) for o in offsets[:-1]]
+        #: Per bucket, (start, stop) of each of its parameters in the flat buffers.
+        self._spans = [[(int(offsets[i]), int(offsets[i + 1])) for i in b.params] for b in self.buckets]
         self._bucketed = [i for b in self.buckets for i in b.params]
         self._start_fused_update()
         if not self.overlap:
@@ -544,16 +546,14 @@ class AllReduceSGD(Algorithm):
             self._shared.allreduce(bucket.start, bucket.stop, self._sum if joining else self._red, pieces, finish)
             return
         dgc, k = self.dgc, bucket.index
-        if dgc is not None:
-            dgc.clip(
-                self.flat.grads, [(self._offsets[i], self._offsets[i] + self.flat.sizes[i]) for i in bucket.params]
-            )
+        if dgc is not None and dgc.clip_norm is not None:
+            dgc.clip(self.flat.grads, self._spans[k])
         if self.local_momentum is not None:
             self.local_momentum.apply(bucket.params)
         if self.compression is not None and self.iterations >= self.compression_start:
             if dgc is not None and dgc.warmup:
                 ratio = dgc.ratio(self.iterations - self.compression_start)
-                self.compression.respec(k, f"topk:{ratio:g}", part(self.flat.layout(), bucket.start, bucket.stop))
+                self.compression.respec(k, f"topk:{ratio:g}")
             self.compression.allreduce(k, self._slices[k], self._comm, "avg", self.bucket_collectives[k])
             if dgc is not None and dgc.masking and self.local_momentum is not None:
                 compressor = self.compression.feedback[k].compressor

@@ -168,6 +168,7 @@ class CompressedSlices:
     Attributes:
         spec: the compressor spec.
         error_feedback: whether each slice keeps a memory.
+        layouts: per slice, the layout of the parameters in it (offsets from its start).
         feedback: per slice, its compressor and memory (:class:`ErrorFeedback`).
     """
 
@@ -183,11 +184,10 @@ class CompressedSlices:
         self.spec, self.error_feedback = spec, error_feedback
         self.bounds = tuple((int(a), int(b)) for a, b in bounds)
         self.length = int(like.shape[0])
+        self.layouts = [part(layout, a, b) for a, b in self.bounds]
         self.feedback = [
-            ErrorFeedback(
-                compressor_for(spec, part(layout, a, b), slice_seed(seed, k)), like[a:b], enabled=error_feedback
-            )
-            for k, (a, b) in enumerate(self.bounds)
+            ErrorFeedback(compressor_for(spec, shapes, slice_seed(seed, k)), like[a:b], enabled=error_feedback)
+            for k, ((a, b), shapes) in enumerate(zip(self.bounds, self.layouts))
         ]
 
     def allreduce(self, k: int, buf: Any, comm: MPI.Comm, op: str, collective: str) -> Any:
@@ -197,12 +197,12 @@ class CompressedSlices:
         the linear compressors."""
         return self.feedback[k].allreduce(buf, comm, op, collective=collective)
 
-    def respec(self, k: int, spec: str, layout: Layout) -> None:
+    def respec(self, k: int, spec: str) -> None:
         """Compress slice ``k`` from now on with the compressor ``spec`` names (for the
-        slice's ``layout``, seeded as before), keeping its memory; nothing if it has it."""
+        slice's layout, seeded as before), keeping its memory; nothing if it has it."""
         f = self.feedback[k]
         if f.compressor.spec != spec:
-            f.compressor = compressor_for(spec, layout, f.compressor.seed)
+            f.compressor = compressor_for(spec, self.layouts[k], f.compressor.seed)
 
     def reset(self) -> None:
         """Forget every slice's memory."""
