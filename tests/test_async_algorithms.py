@@ -38,8 +38,8 @@ def test_sum_is_preserved_and_workers_agree(size: int) -> None:
 
 @pytest.mark.parametrize("size", [5, 6, 7, 8])
 def test_sum_is_preserved_and_workers_agree_large_communicators(size: int) -> None:
-    """5..8 ranks, under their own mpiexec: thousands of exchanges per configuration."""
-    proc = on_rank0_quietly(mpiexec, size, ["tests/async_check.py", "--steps", "400"], timeout=240)
+    """5..8 ranks, under their own mpiexec: a thousand exchanges or more per configuration."""
+    proc = on_rank0_quietly(mpiexec, size, ["tests/async_check.py", "--steps", "200"], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     counts = list(json.loads(proc.stdout.strip().splitlines()[-1].split(" ", 1)[1]).values())
     assert min(counts[:3]) >= 1000, proc.stdout  # AD-PSGD and GR-SGD: thousands of pairwise exchanges

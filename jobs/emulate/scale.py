@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("scale: the horovod rows left out: Horovod is not installed (jobs/peers/horovod.sh)", flush=True)
     if args.smoke:
         shapes, conditions, algos = [Shape(8, 1)], ["straggler"], ["allreduce", "adpsgd"]
-        setup = Setup(setup.hidden, 1, "60ms", 0.0, setup.rate, async_epochs=1, train_samples=20000)
+        setup = Setup(setup.hidden, 1, "60ms", 0.0, setup.rate, async_epochs=1, train_samples=10000)
     unknown = [a for a in algos if a not in ALGORITHMS] + [c for c in conditions if c not in CONDITIONS]
     if unknown:
         p.error(f"unknown algorithm(s) or condition(s): {', '.join(unknown)}")
