@@ -175,6 +175,42 @@ def test_file_not_saved_under_this_key_is_not_used(fresh: MPI.Intracomm, measure
     assert all_ok(world, choice.source == "calibration" and sorted(measured) == [4 * KIB, 8 * KIB]), choice.reason
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_session_times_single_calls_in_turn_or_rehearsed_batches(
+    deterministic: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On real calls the candidates run in turn and each call counts at its fastest rank
+    (the median of those per candidate); rehearsed (deterministic) each candidate's calls
+    run as one batch, whose time on its fastest rank, over its calls, counts. With a
+    fake clock: "a" alternates slow and fast calls, on rank 0 out of step with the others
+    (as a pipelined algorithm's calls may), "b" takes 0.8 everywhere."""
+    comm = MPI.COMM_WORLD
+    clock = [0.0]
+    monkeypatch.setattr(online.time, "perf_counter", lambda: clock[0])
+    pattern = {"a": [2.0, 0.5, 2.0] if comm.rank == 0 else [0.5, 2.0, 0.5], "b": [0.8] * 3}
+    ran: list[str] = []
+
+    def run(name: str):
+        def timed(x: np.ndarray, red: object) -> None:
+            clock[0] += pattern[name][ran.count(name)]
+            ran.append(name)
+
+        return timed
+
+    session = online.Session({n: run(n) for n in "ab"}, ["a", "b"], 3, comm, deterministic)
+    if deterministic:
+        session.rehearse(np.zeros(4), None)
+    else:
+        for _ in range(6):
+            session(np.zeros(4), None)
+    assert ran == (["a"] * 3 + ["b"] * 3 if deterministic else ["a", "b"] * 3)
+    # a: single calls, the least of the ranks' per call: 0.5 each (2, 0.5, 2 alone);
+    # batches: the least of the ranks' sums 3.0 (4.5 alone), over 3 calls
+    a = {(False, True): 0.5, (False, False): 2.0, (True, True): 1.0, (True, False): 1.5}[deterministic, comm.size > 1]
+    assert session.result == pytest.approx({"a": a, "b": 0.8})
+    assert all_ok(comm, min(session.result, key=session.result.__getitem__) == ("b" if a > 0.8 else "a"))
+
+
 def tune_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     """Online tuning finds every candidate close, at every size (so the three fastest are
     tuned), and every rank a core of its own (the machine running the tests may have fewer)."""

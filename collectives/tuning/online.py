@@ -20,7 +20,15 @@ from a run that tuned elsewhere or not at all. With ``deterministic``
 (:mod:`collectives.tuning.settings`) the session runs all its calls at once
 on a copy of the first call's buffer (:meth:`Session.rehearse`) before that
 call runs the winner, so every real call of a band in a process runs one
-algorithm, and with the persisted result every later process too.
+algorithm, and with the persisted result every later process too. Those calls
+run back to back, as a benchmark's do (and a training step's buckets), so
+they are timed as such: each candidate's calls in one batch, its time the
+batch's on the rank that took the least (the batch begins with the previous
+one's end, so only its first call sees the arrival skew), divided by its
+calls. Interleaved single calls would hide what one algorithm gains from
+its own previous call (shm's double buffer lets a rank begin the next call
+while the last is still being read; docs/performance.rst, "auto in fresh
+processes", has a case on 8 ranks where that reversed the choice).
 """
 
 from __future__ import annotations
@@ -76,7 +84,8 @@ class Session:
         self, runs: Mapping[str, Run], names: list[str], calls: int, comm: MPI.Comm, deterministic: bool = False
     ) -> None:
         self.runs, self.comm, self.deterministic = runs, comm, deterministic
-        self.order = names * calls
+        # rehearsed: each candidate's calls in one batch; on real calls, in turn
+        self.order = [name for name in names for _ in range(calls)] if deterministic else names * calls
         self.times: list[float] = []
         #: Each candidate's agreed seconds, once every call has run.
         self.result: dict[str, float] | None = None
@@ -101,11 +110,20 @@ class Session:
             self(copy, red)
 
     def _agree(self) -> None:
-        times = np.array(self.times)
+        """Per call (per batch when rehearsed) the least of the ranks' times; per
+        candidate the median of its calls (its batch's time over its calls)."""
+        per: dict[str, list[float]] = {}
+        for name, t in zip(self.order, self.times):
+            per.setdefault(name, []).append(t)
+        names = list(per)
+        times = np.array([sum(per[name]) for name in names] if self.deterministic else self.times)
         with waiting(self.comm, "Allreduce of the online tuning's timings", "auto's online tuning"):
             self.comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MIN)
-        per: dict[str, list[float]] = {}
-        for name, t in zip(self.order, times.tolist()):
-            per.setdefault(name, []).append(t)
-        self.result = {name: statistics.median(ts) for name, ts in per.items()}
+        if self.deterministic:
+            self.result = {name: t / len(per[name]) for name, t in zip(names, times.tolist())}
+        else:
+            per = {}
+            for name, t in zip(self.order, times.tolist()):
+                per.setdefault(name, []).append(t)
+            self.result = {name: statistics.median(ts) for name, ts in per.items()}
         self.done(self.result)
