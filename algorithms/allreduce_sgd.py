@@ -69,7 +69,7 @@ each bucket is aggregated by a compressor of its own
 the ranks sent, bitwise identical on all ranks; PowerSGD is given the
 bucket's matrices, :meth:`~algorithms.flat.FlatParams.layout`), with a
 per-worker error-feedback memory per bucket
-(:class:`~algorithms.error_feedback.ErrorFeedback`: on by default for sign,
+(:class:`~algorithms.error_feedback.ErrorFeedback`: on by default for
 top-k and PowerSGD, ``error_feedback=`` switches it), on the calling thread
 or, with overlap, on the service thread, in the same order either way; without
 overlap and without a ``bucket_mb``, the whole gradient is one bucket (one
@@ -166,8 +166,8 @@ class AllReduceSGD(Algorithm):
         local_momentum: each worker applies the SGD optimizer's momentum and
             weight decay to its own gradient before compressing it, and the
             optimizer steps without them
-            (:mod:`algorithms.local_momentum`). None: on for sign and top-k with
-            error feedback where the optimizer has momentum
+            (:mod:`algorithms.local_momentum`). None: on for sign and top-k
+            where the optimizer has momentum
             (:func:`~algorithms.local_momentum.default_on`). Needs a compression
             and an SGD optimizer; finish a step with :meth:`step`.
         compression_start: the first steps are all-reduced uncompressed, as

@@ -18,10 +18,11 @@ between steps:
   an :class:`~algorithms.error_feedback.ErrorFeedback` memory per slice, and
   hands the memory to checkpoints.
 
-Error feedback is on by default for the biased compressors (sign, top-k,
-PowerSGD: :attr:`~collectives.compression.Compressor.feedback`), where the
-literature uses it, and off for the others; ``error_feedback=True`` or
-``False`` overrides the default.
+Error feedback is on by default for top-k and PowerSGD
+(:attr:`~collectives.compression.Compressor.feedback`), where the literature
+uses it and it trained best here, and off for the others, sign included (it
+trained better without: :mod:`collectives.compression.sign`);
+``error_feedback=True`` or ``False`` overrides the default.
 
 Seeds: each slice's compressor is seeded from (seed, slice index), so that
 stochastic compressors draw independently per slice, alike on every rank

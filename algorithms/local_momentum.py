@@ -169,17 +169,19 @@ class LocalMomentum:
             )
 
 
-#: The compressors whose error feedback trains better with local momentum (measured,
-#: docs/performance.rst): sign diverged and top-k 1 % lost 4 points with momentum after
-#: the aggregation; PowerSGD kept its accuracy that way and lost some with local momentum.
+#: The compressors that train better with local momentum (measured,
+#: docs/performance.rst): with error feedback, sign diverged and top-k 1 % lost 4
+#: points with momentum after the aggregation; sign without error feedback (its
+#: default) trained best with it; PowerSGD kept its accuracy with momentum after the
+#: aggregation and lost some with local momentum.
 LOCAL = ("sign", "topk")
 
 
 def default_on(compression: tuple[str, bool] | None, optimizer: Any) -> bool:
     """Whether local momentum is on by default: for the compressors of :data:`LOCAL`
-    with error feedback on (``compression`` as :func:`algorithms.compressed.resolve`
-    returns it), where the optimizer has momentum."""
-    if compression is None or not compression[1]:
+    (``compression`` as :func:`algorithms.compressed.resolve` returns it, with error
+    feedback on or off), where the optimizer has momentum."""
+    if compression is None:
         return False
     return name_of(compression[0]) in LOCAL and has_momentum(optimizer)
 

@@ -71,7 +71,7 @@ applies to the inter-group all-reduce among the representatives, the
 exchange over the slow links between nodes: step 2 all-reduces (sums)
 S_g(t) with the compressor (PowerSGD given the model's matrices), bitwise
 identical on every representative, with an error-feedback memory on each
-representative (on by default for sign, top-k and PowerSGD;
+representative (on by default for top-k and PowerSGD;
 ``error_feedback=``), kept in its state (``residual``, and ``server`` for
 the reduce-scatter compressors) for checkpoints, with ``representative``:
 a worker that is a representative only under a resumed run's other layout

@@ -36,8 +36,8 @@ SYNC_CONFIGS = {
     "grsgd-synchronous": ("grsgd", {"max_lead": 0}),
     "prague-static-pairs": ("prague", {"policy": "static", "group_size": 2, "period": 2}),
     "allreduce-topk": ("allreduce", {"collective": "ring", "compression": "topk:0.25"}),
-    "allreduce-sign": ("allreduce", {"collective": "ring", "compression": "sign"}),
-    "lsgd-pairs-sign": ("lsgd", {"layout": 2, "collective": "ring", "compression": "sign"}),
+    "allreduce-sign": ("allreduce", {"collective": "ring", "compression": "sign", "error_feedback": True}),
+    "lsgd-pairs-sign": ("lsgd", {"layout": 2, "collective": "ring", "compression": "sign", "error_feedback": True}),
     "dpsgd-choco-topk": ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}),
 }
 
@@ -242,10 +242,10 @@ def test_state_in_flight_or_of_another_model_is_refused_on_every_rank() -> None:
 #: Compressed and CHOCO-SGD configurations (with the optimizer's momentum), and a key of their memories.
 MEMORIES = [
     ("allreduce", {"collective": "ring", "compression": "topk:0.25"}, 0.0, "residual"),
-    ("allreduce", {"collective": "ring", "compression": "sign@reduce_scatter"}, 0.0, "server"),
+    ("allreduce", {"collective": "ring", "compression": "sign@reduce_scatter", "error_feedback": True}, 0.0, "server"),
     ("allreduce", {"collective": "ring", "compression": "sign"}, 0.9, "velocity"),
     ("allreduce", {"collective": "ring", "compression": "sign"}, 0.9, "velocity_started"),
-    ("lsgd", {"layout": 2, "collective": "ring", "compression": "sign"}, 0.0, "residual"),
+    ("lsgd", {"layout": 2, "collective": "ring", "compression": "sign", "error_feedback": True}, 0.0, "residual"),
     ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}, 0.0, "public"),
     ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}, 0.0, "mixed"),
 ]
@@ -286,7 +286,8 @@ def test_lsgd_memory_starts_afresh_on_a_worker_that_was_no_representative() -> N
         pytest.skip("needs two groups")
     rank = comm.Get_rank()
     x = np.full(DIM, float(rank))
-    with algorithms.create("lsgd", x, SGD(x, lr=0.1), comm, layout=1, collective="ring", compression="sign") as algo:
+    options = {"layout": 1, "collective": "ring", "compression": "sign", "error_feedback": True}
+    with algorithms.create("lsgd", x, SGD(x, lr=0.1), comm, **options) as algo:
         for t in range(3):
             algo.step(gradient(x, rank, t))
         algo.settle()

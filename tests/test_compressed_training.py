@@ -111,15 +111,16 @@ def test_no_compression_is_the_uncompressed_path() -> None:
 
 
 def test_error_feedback_defaults_switch_and_state() -> None:
-    """On for the biased compressors, off for the others, switchable; the memories are the
-    algorithm's state: ``residual``, and ``server`` where the average is encoded again."""
+    """On for top-k and PowerSGD, off for the others (sign included), switchable; the memories
+    are the algorithm's state: ``residual``, and ``server`` where the average is encoded again."""
     comm = WORLD
     x = np.zeros(40)
     ok = True
     for spec, on, keys in [
         ("topk:0.1", None, {"residual"}),
         ("topk:0.1", False, set()),
-        ("sign", None, {"residual", "server"}),
+        ("sign", None, set()),
+        ("sign", True, {"residual", "server"}),
         ("qsgd:127", None, set()),
         ("qsgd:127", True, {"residual", "server"}),
         ("powersgd:2", None, {"residual"}),
@@ -136,13 +137,15 @@ def test_error_feedback_defaults_switch_and_state() -> None:
 
 
 def test_local_momentum_defaults_and_state() -> None:
-    """On for sign and top-k with error feedback where the optimizer has momentum; its velocity is
-    algorithm state, and a restored run takes the same steps bit for bit."""
+    """On for sign and top-k (error feedback on or off) where the optimizer has momentum; its
+    velocity is algorithm state, and a restored run (with error feedback's memories too) takes
+    the same steps bit for bit."""
     comm = WORLD
     ok = True
     for spec, momentum, switch, on in [
         ("sign", 0.9, None, True),
         ("topk:0.1", 0.9, None, True),
+        ("topk:0.1@no-feedback", 0.9, None, True),
         ("powersgd:2", 0.9, None, False),
         ("powersgd:2", 0.9, True, True),
         ("qsgd:127", 0.9, None, False),
@@ -151,8 +154,14 @@ def test_local_momentum_defaults_and_state() -> None:
         ("qsgd:127", 0.0, True, True),
     ]:
         x = np.zeros((5, 8))
+        spec, no_feedback = spec.removesuffix("@no-feedback"), spec.endswith("@no-feedback")
         with algorithms.AllReduceSGD(
-            x, SGD(x, lr=0.1, momentum=momentum), comm, compression=spec, local_momentum=switch
+            x,
+            SGD(x, lr=0.1, momentum=momentum),
+            comm,
+            compression=spec,
+            local_momentum=switch,
+            error_feedback=False if no_feedback else None,
         ) as algo:
             algo.step(gradient(x, comm.Get_rank(), 0))
             ok &= (algo.local_momentum is not None) == on and ("velocity" in algo.state_dict()) == on
@@ -160,7 +169,8 @@ def test_local_momentum_defaults_and_state() -> None:
     def run(steps: int, state: dict | None = None) -> tuple[np.ndarray, dict]:
         x = np.zeros((5, 8)) if state is None else state["x"].copy()
         opt = SGD(x, lr=0.1, momentum=0.9, weight_decay=0.01)
-        with algorithms.AllReduceSGD(x, opt, comm, compression="sign", collective="ring") as algo:
+        options = {"compression": "sign", "error_feedback": True, "collective": "ring"}
+        with algorithms.AllReduceSGD(x, opt, comm, **options) as algo:
             if state is not None:
                 algo.load_state_dict(state)
             for t in range(steps):
@@ -487,13 +497,12 @@ def test_bytes_per_step_against_the_uncompressed_ring() -> None:
 
 
 @digits
-def test_error_feedback_brings_top_k_and_sign_near_uncompressed_accuracy() -> None:
-    """Digits, the MLP 64-64-10, 30 epochs on every rank: top-k 1 % with error feedback
-    (and local momentum) within 2.5 points of uncompressed AllReduce-SGD; sign with error
-    feedback trains with the momentum after the average and with local momentum (the
-    default), but which is better changes with the run (measured: 95.0 % and 87.2 % on 4
-    ranks, 81.9 % and 96.9 % on 3, against 96.4 % and 96.9 %; on Fashion-MNIST's MLP
-    the momentum after the average diverged, docs/performance.rst); top-k without error
+def test_compression_defaults_train_near_uncompressed_accuracy() -> None:
+    """Digits, the MLP 64-64-10, 30 epochs on every rank, with local momentum (the default
+    for both): top-k 1 % with error feedback (its default) and sign without (its default)
+    within 2.5 points of uncompressed AllReduce-SGD; sign with error feedback trains (its
+    accuracy changes more with the run: 87.2 % on 4 ranks, 96.9 % on 3, against 96.4 % and
+    96.9 %; on Fashion-MNIST it lost 8-10 points, docs/performance.rst); top-k without error
     feedback well below."""
     cfg = config()
     cfg.epochs = 30
@@ -501,14 +510,14 @@ def test_error_feedback_brings_top_k_and_sign_near_uncompressed_accuracy() -> No
     for name, options in [
         ("none", {}),
         ("topk", {"compression": "topk:0.01"}),
-        ("sign", {"compression": "sign", "local_momentum": False}),
-        ("sign, local momentum", {"compression": "sign"}),
+        ("sign", {"compression": "sign"}),
+        ("sign with error feedback", {"compression": "sign", "error_feedback": True}),
         ("topk without", {"compression": "topk:0.01", "error_feedback": False}),
     ]:
         cfg.options = options
         accuracy[name] = train(cfg, WORLD).epochs[-1]["test_acc"]
-    assert accuracy["topk"] >= accuracy["none"] - 0.025, accuracy
-    assert accuracy["sign"] >= 0.8 and accuracy["sign, local momentum"] >= 0.8, accuracy
+    assert accuracy["topk"] >= accuracy["none"] - 0.025 and accuracy["sign"] >= accuracy["none"] - 0.025, accuracy
+    assert accuracy["sign with error feedback"] >= 0.8, accuracy
     assert accuracy["topk without"] < accuracy["topk"] - 0.01, accuracy
 
 

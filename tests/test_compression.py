@@ -335,7 +335,7 @@ def test_error_feedback_defaults_switch_and_reset() -> None:
     off.allreduce(x, MPI.COMM_SELF)
     assert off.residual is None and np.array_equal(x, np.where(np.arange(8) >= 3, 2.0, -2.0))
     with pytest.raises(ArgumentError, match="elements 6 to 10 lie outside the memory of 8"):
-        ErrorFeedback("sign", np.zeros(8)).allreduce(np.zeros(4), MPI.COMM_SELF, offset=6)
+        ErrorFeedback("sign", np.zeros(8), enabled=True).allreduce(np.zeros(4), MPI.COMM_SELF, offset=6)
 
 
 # --- PowerSGD, QSGD ---------------------------------------------------------------------

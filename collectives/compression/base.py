@@ -62,8 +62,8 @@ values travel in the work precision, except in the casts.
 Attributes of every compressor: :attr:`~Compressor.spec` (its name and
 parameter, as :func:`collectives.compression.create` parses it),
 :attr:`~Compressor.unbiased` (E[C(x)] = x), :attr:`~Compressor.feedback`
-(error feedback is on by default: the biased sparsifiers, 1-bit and
-low-rank compressors), :attr:`~Compressor.aggregation`.
+(error feedback is on by default: top-k and PowerSGD; sign trained
+better without it), :attr:`~Compressor.aggregation`.
 
 Memory. Everything a step needs lives in reusable per-thread memory
 (:func:`collectives.transport.scratch.scratch`), so steady-state steps

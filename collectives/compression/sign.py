@@ -3,8 +3,13 @@
 For each bucket v of b elements (default 512), C(v) = (||v||_1 / b) sign(v):
 the sign of every element (sign(0) = +1) times the bucket's mean absolute
 value, the scale under which the 1-bit vector keeps the bucket's l1 norm.
-Biased, with error ||v - C(v)||^2 = ||v||^2 - ||v||_1^2 / b <= (1 - 1/b) ||v||^2,
-so it is used with error feedback (on by default), as in EF-signSGD.
+Biased, with error ||v - C(v)||^2 = ||v||^2 - ||v||_1^2 / b <= (1 - 1/b) ||v||^2.
+Error feedback, as in EF-signSGD, is off by default: in training at momentum
+0.9 (with local momentum, :mod:`algorithms.local_momentum`) sign trained
+within a point of uncompressed without it and lost 8-10 points with it on
+Fashion-MNIST's MLP, and without it trained LeNet-5, which diverged with it
+(3 seeds each; docs/performance.rst, "Compression", says why the memory
+grows); ``error_feedback=True`` turns it on.
 Given the layout of the buffer (``shapes``, as training passes it), the
 buckets restart at every layer; ``sign:layer`` has one scale per layer,
 ||v||_1 / d over the layer's d elements, as EF-signSGD scales it
@@ -71,7 +76,6 @@ class Sign(Compressor):
 
     name = "sign"
     param = ("bucket", int)
-    feedback = True
     aggregations = ("reduce_scatter", "allgather", "hierarchical")
 
     def __init__(self, bucket: int | None = BUCKET, *, shapes: Shapes | None = None, **options: Any) -> None:
