@@ -81,7 +81,8 @@ import os
 import sys
 import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TextIO, Union
 
@@ -421,11 +422,25 @@ class PReduce:
                     return
             self._recover(agreed=True)
 
-    def _failing(self) -> AbstractContextManager:
+    @contextmanager
+    def _failing(self) -> Iterator[None]:
         """Where a worker's death is survived: a block whose MPI error of a dead peer (or of
         a revoked communicator) revokes both private communicators, so that every survivor
-        sees it, and raises :class:`~collectives.transport.faults.PeerFailure`."""
-        return faults.revoking((self._ctl, self._data)) if self.survives else nullcontext()
+        sees it, and raises :class:`~collectives.transport.faults.PeerFailure`. Its waits
+        poll (:func:`~collectives.transport.p2p.poll_waits`): Open MPI (5.0) ends every
+        blocked wait of a process with an error when it learns of a failure or a
+        revocation, on whatever communicator, so a survivor that heard of a death late
+        would see one on the survivors' new communicators (a recovery that lost no one
+        was seen once); a test of a request is not ended so."""
+        if not self.survives:
+            yield
+            return
+        blocking = p2p.poll_waits(True)
+        try:
+            with faults.revoking((self._ctl, self._data)):
+                yield
+        finally:
+            p2p.poll_waits(blocking)
 
     def _recover(self, agreed: bool = False) -> None:
         """After a peer failed (collective over the survivors; module docstring): stop the
@@ -465,13 +480,22 @@ class PReduce:
         (collective over ``survivors``): a member that confirmed it (every member said it
         holds the average) has confirmed one more exchange with each of the others than they
         have with it; where no survivor did, each member restores its buffer from before."""
-        me = self._world[self.rank]
-        with p2p.waiting(survivors):
-            views = dict(survivors.allgather((me, self._confirmed)))
+        me, world = self._world[self.rank], p2p.world_ranks(survivors)
+        counts = np.zeros(MPI.COMM_WORLD.Get_size(), np.int64)
+        for peer, n in self._confirmed.items():
+            counts[peer] = n
+        table = np.empty((len(world), counts.size), np.int64)
+        blocking = p2p.poll_waits(True)  # not a blocking wait (_failing)
+        try:
+            with p2p.waiting(survivors):
+                p2p.complete(survivors.Iallgather(counts, table))
+        finally:
+            p2p.poll_waits(blocking)
+        views = dict(zip(world, table))
         members, self._pending = self._pending, None
         if members is None:
             return
-        kept = any(views[m].get(me, 0) > self._confirmed.get(m, 0) for m in members if m != me and m in views)
+        kept = any(views[m][me] > counts[m] for m in members if m != me and m in views)
         if not kept:
             array_module(self._flat.data).copyto(self._flat.data, self._pre)
 
@@ -546,7 +570,7 @@ class PReduce:
 
     def _tell(self, kind: int, arg: int = 0) -> None:
         self._outbox[0], self._outbox[1] = kind, arg
-        self._ctl.Send([self._outbox, MPI.INT64_T], self._service_rank, TO_GG)
+        p2p.complete(self._ctl.Isend([self._outbox, MPI.INT64_T], self._service_rank, TO_GG))
 
 
 def check_options(

@@ -33,7 +33,7 @@ Modes:
            SIDE WHEN lost R error E``: E the largest difference of their sum from
            what they held less the dead worker's model.
   prague SEED  Prague (smart pairs) with on_failure="continue" on 4 ranks, learning rate 0,
-           random float64 models: two workers die one after the other, each at the
+           random float64 models: three workers die one after the other, each at the
            point of a group's average that PRAGUE_PLANS[SEED] gives it (``before`` it
            sends anything, ``during`` it (its half of the reduce-scatter sent, nothing
            of the all-gather), ``after`` it (its average confirmed by its partner; 0.2 s
@@ -86,10 +86,8 @@ KILL_POINTS = [
 #: The two deaths of each ``prague`` run: (whose, when), whose "service" the group
 #: generator's host, "worker" another worker.
 PRAGUE_PLANS = [
-    [("worker", "before"), ("service", "during")],
-    [("worker", "during"), ("worker", "after")],
-    [("service", "after"), ("worker", "before")],
-    [("service", "before"), ("worker", "during")],
+    [("worker", "before"), ("service", "during"), ("worker", "after")],
+    [("service", "before"), ("worker", "during"), ("service", "after")],
 ]
 
 
@@ -271,7 +269,8 @@ if mode == "prague":
     def die(trial: int, point: str, model: np.ndarray) -> None:
         """Leave this worker's model as the survivors must count it, and die."""
         np.save(os.path.join(folder, f"prague-{trial}.npy"), model)
-        print(f"failure.py: rank {rank} {mode} at {time.time():.3f} ({point})", file=sys.stderr, flush=True)
+        print(f"failure.py: rank {rank} dies {point}", file=sys.stderr, flush=True)
+        announce()
         os.kill(os.getpid(), signal.SIGKILL)
 
     def arm(trial: int, when: str) -> None:
@@ -310,7 +309,7 @@ if mode == "prague":
         return victim, who, when, int(plan.integers(5, 30))
 
     victim, who, when, arm_at = draw(trial)
-    while trial < 2 or after < 20:
+    while trial < len(plans) or after < 20:
         if rank == victim and after == arm_at:
             arm(trial, when)
         time.sleep(rng.uniform(0, 2e-3))
@@ -325,7 +324,7 @@ if mode == "prague":
                 lost = ",".join(map(str, algo.lost[seen:]))
                 print(f"failure.py: prague {seed}.{trial} {who} {when} lost {lost} error {error:.3g}", flush=True)
             total, seen, trial, after = survivors, len(algo.lost), trial + 1, 0
-            if trial < 2:
+            if trial < len(plans):
                 victim, who, when, arm_at = draw(trial)
     algo.close()
     sys.exit(0)
