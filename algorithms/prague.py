@@ -40,6 +40,18 @@ Settled, a worker's state beyond its model and optimizer is its counters
 (the step count says when it next averages), the static schedule's
 position and, on rank 0, the group generator's state
 (:meth:`Prague.state_dict`).
+
+A worker that dies (``on_failure="continue"``, where the MPI library has
+ULFM, :mod:`collectives.transport.faults`; elsewhere, and by default, it
+ends the job): P-Reduce's survivors recover in their next :meth:`Prague.step`,
+:meth:`Prague.settle` or :meth:`Prague.close` (collective over them), the
+group average in flight kept by all of its surviving members or taken back
+by all, and go on with a new group generator over the survivors
+(:mod:`collectives.partial.preduce` says how and what it costs);
+:attr:`Prague.comm` is then the survivors' communicator and
+:attr:`Prague.lost` names the dead. The static schedule cannot go on (its
+groups need every worker in step): ``continue`` needs random, smart or
+aware groups.
 """
 
 from __future__ import annotations

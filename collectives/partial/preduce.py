@@ -70,6 +70,45 @@ messages on the critical path (REQUEST, NOTIFY; DONE is not waited for) plus
 the kernel on k ranks — for ring 2(k-1) alpha + 2 n (k-1)/k beta +
 n (k-1)/k gamma — and n gamma for the division. Plus any queueing at GG.
 
+A worker that dies (``on_failure="continue"``, where the MPI library has
+ULFM: :mod:`collectives.transport.faults`; elsewhere a death ends the job):
+
+* **detection**: a member of a group with it sees the group's transfers fail;
+  a worker waiting for GG on the dead host sees its probe fail; GG itself
+  sees any death at its next probe for messages from any worker (ULFM fails
+  a wildcard receive once a failure is known). Whoever sees it revokes both
+  private communicators, so every survivor's next P-Reduce call fails too.
+  GG's thread ends; the survivors' waits poll (a blocked wait would end with
+  a spurious error when Open MPI learns of the death late: :meth:`PReduce._failing`).
+* **recovery**, in the call that failed, collective over the survivors:
+  they agree and shrink the communicator, settle the group average in flight,
+  and start a new GG on the survivors, on its old process if it lives, else
+  on the survivors' rank 0. Lost with the old GG: its queue, locks and
+  outstanding requests (every group is settled, and each survivor's
+  interrupted ``average()`` returns: its next one requests anew), its
+  random generator's position (the new one starts from ``seed``) and, under
+  ``aware``, the measured costs (measured anew). None of it is needed for
+  correctness: the invariant GG keeps (no two active groups share a worker)
+  holds trivially with no group active. ``settle()`` and ``close()`` end
+  with an agreement (one more collective) so that every survivor leaves them
+  with the same verdict, or all recover and do it again.
+* **no partial average**: before a group's all-reduce each member copies its
+  buffer aside; after it, the members exchange an empty "I hold the average"
+  message, and a member goes on past the group only once every other member
+  said so (*confirmed*). A confirmed group is held by every member; so in a
+  recovery, where some surviving member confirmed the group (it has
+  confirmed one more group with each other member than they with it: the
+  counts are gathered), every surviving member keeps the average, and
+  otherwise every surviving member takes its copy back, none having gone
+  past the group. With learning rate 0 the survivors' sum is then what they
+  held less the dead worker's model (its model before the group where the
+  group was taken back). Cost, in this mode only: m bytes of memory and an
+  m-byte copy per averaging (less than the kernel's own reduction of m
+  bytes), and one zero-byte message to and from each other member (alpha).
+
+The static schedule cannot go on after a death (every worker must reach
+each iteration's group): ``continue`` with it is refused.
+
 Reference: Luo, He, Zhuo & Qian, "Prague: High-Performance
 Heterogeneity-Aware Asynchronous Decentralized Training", ASPLOS 2020; seed
 001 section 5.1.
