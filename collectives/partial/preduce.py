@@ -217,6 +217,18 @@ class PReduce:
             written by ``service_rank`` only.
         validate: check the arguments agree across ranks (None reads
             ``MPIDL_VALIDATE``, default on).
+        on_failure: "abort" (a worker's death ends the job) or "continue"
+            (the survivors go on, where the MPI library has ULFM; elsewhere
+            rank 0 warns that it has not, and a death ends the job; module
+            docstring). Not with ``static``.
+
+    Attributes:
+        comm: the workers' communicator: ``comm``, or after a death the survivors'.
+        rank, size: this worker's rank in it, and its size.
+        lost: the ``MPI_COMM_WORLD`` ranks of the workers that died.
+        survives: whether a worker's death leaves the others averaging.
+        stats: :class:`PReduceStats`.
+        last_group: the members of the group that served the last ``average()``.
 
     Raises:
         ArgumentError: bad or disagreeing arguments, or a trace file that
