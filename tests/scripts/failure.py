@@ -64,6 +64,7 @@ import signal
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -93,6 +94,46 @@ PRAGUE_PLANS = [
 
 def announce() -> None:
     print(f"failure.py: rank {rank} {mode} at {time.time():.3f}", file=sys.stderr, flush=True)
+
+
+def deaths_in_turn(
+    algo: Any,
+    x: np.ndarray,
+    name: str,
+    seed: int,
+    trials: int,
+    draw: Callable[[int], tuple[int, str, str, int]],
+    arm: Callable[[int, str, str], None],
+) -> None:
+    """Step ``algo`` (learning rate 0, on ``x``; random sleeps seeded by ``seed``) until ``trials``
+    workers have died one after the other, then 20 steps more, and close it. Before death K,
+    ``draw(K)`` gives the victim (a world rank), two words naming its death and the step after
+    which ``arm(K, *words)`` makes it die, leaving in $FAILURE_DIR/NAME-K.npy the model the
+    survivors must count as its own. After each recovery the survivors settle and print
+    ``failure.py: NAME SEED.K WORDS lost R error E``, E the largest difference of their sum
+    from what they held less the dead worker's model."""
+    rng = np.random.default_rng([11, seed, rank])
+    total = algo.comm.allreduce(x)
+    trial, after, seen = 0, 0, 0
+    victim, first, second, arm_at = draw(trial)
+    while trial < trials or after < 20:
+        if rank == victim and after == arm_at:
+            arm(trial, first, second)
+        time.sleep(rng.uniform(0, 2e-3))
+        algo.step(np.zeros_like(x))
+        after += 1
+        if len(algo.lost) > seen:
+            algo.settle()
+            survivors = algo.comm.allreduce(x)
+            model = np.load(os.path.join(os.environ["FAILURE_DIR"], f"{name}-{trial}.npy"))
+            error = float(np.abs(survivors - (total - model)).max())
+            if algo.comm.Get_rank() == 0:
+                lost = ",".join(map(str, algo.lost[seen:]))
+                print(f"failure.py: {name} {seed}.{trial} {first} {second} lost {lost} error {error:.3g}", flush=True)
+            total, seen, trial, after = survivors, len(algo.lost), trial + 1, 0
+            if trial < trials:
+                victim, first, second, arm_at = draw(trial)
+    algo.close()
 
 
 if mode == "train":
@@ -176,16 +217,14 @@ if mode == "trials":
     # the survivors settle and compare their sum.
     seed = int(sys.argv[2])
     faulthandler.dump_traceback_later(40)
-    rng = np.random.default_rng([11, seed, rank])
     x = np.random.default_rng([7, seed, rank]).standard_normal(100)
     algo = algorithms.create("adpsgd", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, on_failure="continue")
     plan = np.random.default_rng([13, seed])
-    total = comm.allreduce(x)
     folder = os.environ["FAILURE_DIR"]
 
     def die(trial: int, point: str, model: np.ndarray) -> None:
         """Leave this worker's model as the survivors must count it, and die."""
-        np.save(os.path.join(folder, f"dead-{trial}.npy"), model)
+        np.save(os.path.join(folder, f"trial-{trial}.npy"), model)
         print(f"failure.py: rank {rank} {mode} at {time.time():.3f} ({point})", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -228,26 +267,7 @@ if mode == "trials":
         candidates = [world[r] for r in range(algo.size) if (sides[r] == 0) == (side == "active")]
         return candidates[int(plan.integers(len(candidates)))], side, when, int(plan.integers(5, 30))
 
-    trial, after, seen = 0, 0, 0
-    victim, side, when, arm_at = draw(trial)
-    while trial < 2 or after < 20:
-        if rank == victim and after == arm_at:
-            arm(trial, side, when)
-        time.sleep(rng.uniform(0, 2e-3))
-        algo.step(np.zeros_like(x))
-        after += 1
-        if len(algo.lost) > seen:
-            algo.settle()
-            survivors = algo.comm.allreduce(x)
-            dead = np.load(os.path.join(folder, f"dead-{trial}.npy"))
-            error = float(np.abs(survivors - (total - dead)).max())
-            if algo.comm.Get_rank() == 0:
-                lost = ",".join(map(str, algo.lost[seen:]))
-                print(f"failure.py: trial {seed}.{trial} {side} {when} lost {lost} error {error:.3g}", flush=True)
-            total, seen, trial, after = survivors, len(algo.lost), trial + 1, 0
-            if trial < 2:
-                victim, side, when, arm_at = draw(trial)
-    algo.close()
+    deaths_in_turn(algo, x, "trial", seed, 2, draw, arm)
     sys.exit(0)
 
 if mode == "prague":
@@ -257,13 +277,11 @@ if mode == "prague":
 
     seed = int(sys.argv[2])
     faulthandler.dump_traceback_later(40)
-    rng = np.random.default_rng([17, seed, rank])
     x = np.random.default_rng([7, seed, rank]).standard_normal(100)
     algo = algorithms.create(
         "prague", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, policy="smart", on_failure="continue"
     )
     plan = np.random.default_rng([19, seed])
-    total = comm.allreduce(x)
     folder = os.environ["FAILURE_DIR"]
 
     def die(trial: int, point: str, model: np.ndarray) -> None:
@@ -273,8 +291,9 @@ if mode == "prague":
         announce()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def arm(trial: int, when: str) -> None:
-        """Make this worker die at the point ``when`` of its next group's average."""
+    def arm(trial: int, who: str, when: str) -> None:
+        """Make this worker (``who``: the group generator's host or another) die at the point
+        ``when`` of its next group's average."""
         preduce = algo.preduce
         run, point = preduce._run, f"{when} a group's average"
 
@@ -297,7 +316,6 @@ if mode == "prague":
 
         preduce._run = dying  # type: ignore[method-assign]
 
-    trial, after, seen = 0, 0, 0
     plans = PRAGUE_PLANS[seed % len(PRAGUE_PLANS)]
 
     def draw(trial: int) -> tuple[int, str, str, int]:
@@ -308,25 +326,7 @@ if mode == "prague":
         victim = world[0] if who == "service" else world[1 + int(plan.integers(len(world) - 1))]
         return victim, who, when, int(plan.integers(5, 30))
 
-    victim, who, when, arm_at = draw(trial)
-    while trial < len(plans) or after < 20:
-        if rank == victim and after == arm_at:
-            arm(trial, when)
-        time.sleep(rng.uniform(0, 2e-3))
-        algo.step(np.zeros_like(x))
-        after += 1
-        if len(algo.lost) > seen:
-            algo.settle()
-            survivors = algo.comm.allreduce(x)
-            dead = np.load(os.path.join(folder, f"prague-{trial}.npy"))
-            error = float(np.abs(survivors - (total - dead)).max())
-            if algo.comm.Get_rank() == 0:
-                lost = ",".join(map(str, algo.lost[seen:]))
-                print(f"failure.py: prague {seed}.{trial} {who} {when} lost {lost} error {error:.3g}", flush=True)
-            total, seen, trial, after = survivors, len(algo.lost), trial + 1, 0
-            if trial < len(plans):
-                victim, who, when, arm_at = draw(trial)
-    algo.close()
+    deaths_in_turn(algo, x, "prague", seed, len(plans), draw, arm)
     sys.exit(0)
 
 x = np.ones(1000, np.float32)
