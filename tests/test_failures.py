@@ -489,29 +489,20 @@ def test_ulfm_finalize_hazard_is_named_until_the_launcher_skips_the_fence(monkey
     assert faults.finalize_hazard() is None
 
 
-def test_without_ulfm_a_dead_worker_still_ends_the_job(tmp_path: Path) -> None:
-    """on_failure="continue" where the MPI library has no ULFM (MPICH): a warning says so,
-    and the kill ends the job, within seconds, as it does by default."""
+@pytest.mark.parametrize(
+    "argv, who", [(["survive", "active"], "AD-PSGD"), (["prague", "0"], "P-Reduce")], ids=["adpsgd", "prague"]
+)
+def test_without_ulfm_a_dead_worker_still_ends_the_job(argv: list[str], who: str, tmp_path: Path) -> None:
+    """on_failure="continue" where the MPI library has no ULFM (MPICH), AD-PSGD or Prague (whose
+    P-Reduce warns): a warning says so, and the kill ends the job, within seconds, as it does
+    by default."""
     why = faults.unsupported()
     if why is None:
-        pytest.skip("this MPI library has ULFM: test_adpsgd_survives_a_dead_worker runs instead")
-    proc, after = run(4, "survive", "active", env={"FAILURE_DIR": str(tmp_path)}, timeout=60)
+        pytest.skip("this MPI library has ULFM: the tests that kill workers run instead")
+    proc, after = run(4, *argv, env={"FAILURE_DIR": str(tmp_path)}, timeout=60)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert after < SLACK, after
-    assert "AD-PSGD on_failure='continue': ULFM is not available (mpi4py has no ULFM calls" in proc.stderr
-    assert "a worker that dies ends the job (the fail-fast abort stays)" in proc.stderr, proc.stderr[-3000:]
-
-
-def test_without_ulfm_prague_still_ends_the_job(tmp_path: Path) -> None:
-    """Prague with on_failure="continue" where the MPI library has no ULFM (MPICH): P-Reduce
-    says so, and a worker's death ends the job within seconds."""
-    why = faults.unsupported()
-    if why is None:
-        pytest.skip("this MPI library has ULFM: the Prague tests that kill workers run instead")
-    proc, after = run(4, "prague", "0", env={"FAILURE_DIR": str(tmp_path)}, timeout=60)
-    assert proc.returncode != 0, proc.stderr[-3000:]
-    assert after < SLACK, after
-    assert "P-Reduce on_failure='continue': ULFM is not available (mpi4py has no ULFM calls" in proc.stderr
+    assert f"{who} on_failure='continue': ULFM is not available (mpi4py has no ULFM calls" in proc.stderr
     assert "a worker that dies ends the job (the fail-fast abort stays)" in proc.stderr, proc.stderr[-3000:]
 
 
