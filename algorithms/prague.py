@@ -40,6 +40,18 @@ Settled, a worker's state beyond its model and optimizer is its counters
 (the step count says when it next averages), the static schedule's
 position and, on rank 0, the group generator's state
 (:meth:`Prague.state_dict`).
+
+A worker that dies (``on_failure="continue"``, where the MPI library has
+ULFM, :mod:`collectives.transport.faults`; elsewhere, and by default, it
+ends the job): P-Reduce's survivors recover in their next :meth:`Prague.step`,
+:meth:`Prague.settle` or :meth:`Prague.close` (collective over them), the
+group average in flight kept by all of its surviving members or taken back
+by all, and go on with a new group generator over the survivors
+(:mod:`collectives.partial.preduce` says how and what it costs);
+:attr:`Prague.comm` is then the survivors' communicator and
+:attr:`Prague.lost` names the dead. The static schedule cannot go on (its
+groups need every worker in step): ``continue`` needs random, smart or
+aware groups.
 """
 
 from __future__ import annotations
@@ -69,6 +81,9 @@ class Prague(Algorithm):
         seed: seed of the group generator's draws / the static schedule.
         collective: the all-reduce run within a group (:data:`collectives.GROUP_KERNELS`).
         algorithm: the old name of ``collective`` (deprecated).
+        on_failure: "abort" (a worker's death ends the job) or "continue" (the
+            survivors go on, where the MPI library has ULFM; elsewhere a warning
+            says that it has not, and a death ends the job; module docstring).
 
     Attributes:
         preduce: the :class:`collectives.PReduce` on the flat parameters.
@@ -90,6 +105,7 @@ class Prague(Algorithm):
         seed: int = 0,
         collective: str = "ring",
         algorithm: str | None = None,
+        on_failure: str = "abort",
         **common: Any,
     ) -> None:
         self.options: dict[str, Any] = {
@@ -99,6 +115,7 @@ class Prague(Algorithm):
             "cross_every": cross_every,
             "seed": seed,
             "collective": renamed_keyword("Prague", "algorithm", "collective", algorithm, collective, "ring"),
+            "on_failure": on_failure,
         }
         self.local_steps = local_steps
         super().__init__(model, optimizer, comm, **common)
@@ -119,6 +136,21 @@ class Prague(Algorithm):
         self.preduce = PReduce(self.flat.state, self.comm, validate=False, **self.options)
 
     @property
+    def survives(self) -> bool:
+        """Whether a worker's death leaves the others training (on_failure="continue" and ULFM available)."""
+        return self.preduce.survives
+
+    @property
+    def lost(self) -> list[int]:
+        """The ``MPI_COMM_WORLD`` ranks of the workers that died (on_failure="continue")."""
+        return self.preduce.lost
+
+    def _follow(self) -> None:
+        """Take the survivors' communicator, rank and size where P-Reduce recovered from a death."""
+        if self.preduce.comm is not self.comm:
+            self.comm, self.rank, self.size = self.preduce.comm, self.preduce.rank, self.preduce.size
+
+    @property
     def stats(self) -> PReduceStats:
         """What this worker's averagings cost it (calls, groups, drafts, wait and reduce time)."""
         return self.preduce.stats
@@ -128,12 +160,14 @@ class Prague(Algorithm):
         if (self.iterations + 1) % self.local_steps == 0:
             with self._communicating():
                 self.preduce.average()
+            self._follow()
 
     def settle(self) -> None:
         """Pause until every worker settles, serving the groups still queued (collective)."""
         super().settle()
         with self._communicating():
             self.preduce.settle()
+        self._follow()
 
     def state_dict(self) -> dict[str, Any]:
         """The counters and ``preduce``, the P-Reduce's state (after settle();
@@ -150,4 +184,5 @@ class Prague(Algorithm):
             return
         with self._communicating():
             self.preduce.close()
+        self._follow()
         super().close()

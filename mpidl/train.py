@@ -67,7 +67,7 @@ the algorithm (a collective the other ranks are not in): ``mpidl.init()``'s
 hook prints it first and ends the job (``docs/failures.rst``).
 
 A worker that dies (``--on-failure continue``, for the algorithms that take
-``on_failure``: AD-PSGD; where the MPI library has ULFM) does not end the job
+``on_failure``: AD-PSGD, Prague; where the MPI library has ULFM) does not end the job
 when it dies while the workers train: the algorithm's survivors recover
 (:mod:`collectives.transport.faults`), settle, and deal the training set anew
 among themselves (each its shard of the survivors' :func:`mpidl.data.shard`,

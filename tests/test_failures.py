@@ -19,6 +19,8 @@ import pytest
 from mpi4py import MPI
 from mpitest import mpiexec, on_rank0_quietly
 
+import algorithms
+import collectives
 from collectives.transport import faults
 from mpidl import data
 from mpidl.runtime import FAILED_EXIT_CODE, STALL_EXIT_CODE, USAGE_EXIT_CODE
@@ -112,7 +114,7 @@ def test_exception_on_one_rank_ends_the_job() -> None:
         (["train", "--epochs", "0"], "argument --epochs: expected a positive int, got '0'"),
         (
             ["train", "--algorithm", "allreduce", "--on-failure", "continue"],
-            "--on-failure continue: --algorithm allreduce cannot go on without a dead worker (only adpsgd can)",
+            "--on-failure continue: --algorithm allreduce cannot go on without a dead worker (only adpsgd, prague can)",
         ),
     ],
 )
@@ -382,17 +384,24 @@ def test_train_survives_a_dead_worker(tmp_path: Path) -> None:
     10th step; the 3 survivors finish the 3 epochs, the training set dealt among them, the
     epochs from the failure on ending by their own steps' budget, to good accuracy; the JSON
     says who died when, and the output is rank 0's alone."""
+    train_survives("adpsgd", 1, tmp_path)
+
+
+def train_survives(algorithm: str, victim: int, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``mpidl train --algorithm ALGORITHM --on-failure continue`` on 4 workers under ULFM,
+    worker ``victim`` killed in its 10th step: the checks of
+    :func:`test_train_survives_a_dead_worker`; the finished job."""
     why = faults.unsupported()
     if why is not None:
         pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
     out = tmp_path / "run.json"
-    argv = ["--algorithm", "adpsgd", "--on-failure", "continue", "--backend", "numpy", "--hidden", "16"]
+    argv = ["--algorithm", algorithm, "--on-failure", "continue", "--backend", "numpy", "--hidden", "16"]
     argv += ["--epochs", "3", "--no-progress", "--json", str(out)]
-    proc = on_rank0_quietly(ulfm_job, ["train", *argv], {"FAILURE_DIE": "1:10"})
+    proc = on_rank0_quietly(ulfm_job, ["train", *argv], {"FAILURE_DIE": f"{victim}:10"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = on_rank0_quietly(lambda: json.loads(out.read_text()))
     [failure] = run["failures"]
-    assert failure["lost"] == [1] and failure["workers"] == 3, failure
+    assert failure["lost"] == [victim] and failure["workers"] == 3, failure
     assert sum(failure["samples_per_worker"]) == run["meta"]["train_samples"], failure
     epochs = run["epochs"]
     assert [e["epoch"] for e in epochs] == [1, 2, 3], epochs
@@ -403,7 +412,66 @@ def test_train_survives_a_dead_worker(tmp_path: Path) -> None:
     assert all(taken >= budget * (k + 1) for k, taken in enumerate(since)), (budget, since)
     assert epochs[-1]["test_acc"] >= 0.75, epochs
     assert proc.stdout.count("final: test accuracy") == 1, proc.stdout[-3000:]
-    assert f"# epoch {failure['epoch']}: worker(s) 1 of MPI_COMM_WORLD died; 3 continue" in proc.stdout
+    assert f"# epoch {failure['epoch']}: worker(s) {victim} of MPI_COMM_WORLD died; 3 continue" in proc.stdout
+    return proc
+
+
+#: What the survivors print after each death of ``failure.py prague``: seed and trial, whose
+#: death (the group generator's host or another worker's), its point, the world rank lost,
+#: the largest difference of their sum.
+PRAGUE_TRIAL = re.compile(
+    r"^failure\.py: prague (\d+)\.(\d) (service|worker) (before|during|after) lost (\d+) error (\S+)$", re.M
+)
+
+
+def job_processes(tmp_path: Path) -> list[int]:
+    """The processes still running with ``FAILURE_DIR=tmp_path`` in their environment (a job's
+    ranks, by the folder that only that job was given)."""
+    mark = f"FAILURE_DIR={tmp_path}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+    return found
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_prague_survives_deaths_before_during_and_after_a_group_average(seed: int, tmp_path: Path) -> None:
+    """Prague (smart pairs) with on_failure="continue" under ULFM, 4 workers, learning rate 0:
+    three workers die one after the other (the last survivor averages alone), before, during
+    (half of the ring all-reduce sent) or after a group's average, each point once as the group
+    generator's host and once as another worker over the 2 seeds, armed after a random number
+    of steps; after each recovery the survivors' sum is what they held less the dead worker's
+    model (its model before the average where the average failed), and the job leaves no
+    process behind."""
+    why = faults.unsupported()
+    if why is not None:
+        pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
+    proc = on_rank0_quietly(ulfm_job, ["prague", str(seed)], {"FAILURE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = PRAGUE_TRIAL.findall(proc.stdout)
+    assert [(int(s), int(t)) for s, t, *_ in trials] == [(seed, 0), (seed, 1), (seed, 2)], proc.stdout[-3000:]
+    assert all(float(error) < 1e-12 for *_, error in trials), proc.stdout[-3000:]
+    assert len({lost for *_, lost, _ in trials}) == 3, proc.stdout[-3000:]
+    assert {when for _, _, _, when, *_ in trials} == {"before", "during", "after"}, trials
+    assert "with a new group generator, restarted on rank" in proc.stderr, proc.stderr[-3000:]
+    assert on_rank0_quietly(job_processes, tmp_path) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn")
+def test_prague_train_survives_the_death_of_the_group_generators_host(tmp_path: Path) -> None:
+    """``mpidl train --algorithm prague --on-failure continue`` on 4 workers: worker 0, which
+    runs the group generator (and counts the step budget, and reports), is killed in its 10th
+    step; the survivors restart the group generator and finish as in
+    :func:`test_train_survives_a_dead_worker`, the first survivor reporting."""
+    proc = train_survives("prague", 0, tmp_path)
+    assert (
+        "mpidl: rank 1: P-Reduce: worker(s) 0 of MPI_COMM_WORLD failed; 3 continue with a new group generator, "
+        "restarted on rank 1 of MPI_COMM_WORLD" in proc.stderr
+    ), proc.stderr[-3000:]
 
 
 def test_ulfm_finalize_hazard_is_named_until_the_launcher_skips_the_fence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -421,17 +489,32 @@ def test_ulfm_finalize_hazard_is_named_until_the_launcher_skips_the_fence(monkey
     assert faults.finalize_hazard() is None
 
 
-def test_without_ulfm_a_dead_worker_still_ends_the_job(tmp_path: Path) -> None:
-    """on_failure="continue" where the MPI library has no ULFM (MPICH): a warning says so,
-    and the kill ends the job, within seconds, as it does by default."""
+@pytest.mark.parametrize(
+    "argv, who", [(["survive", "active"], "AD-PSGD"), (["prague", "0"], "P-Reduce")], ids=["adpsgd", "prague"]
+)
+def test_without_ulfm_a_dead_worker_still_ends_the_job(argv: list[str], who: str, tmp_path: Path) -> None:
+    """on_failure="continue" where the MPI library has no ULFM (MPICH), AD-PSGD or Prague (whose
+    P-Reduce warns): a warning says so, and the kill ends the job, within seconds, as it does
+    by default."""
     why = faults.unsupported()
     if why is None:
-        pytest.skip("this MPI library has ULFM: test_adpsgd_survives_a_dead_worker runs instead")
-    proc, after = run(4, "survive", "active", env={"FAILURE_DIR": str(tmp_path)}, timeout=60)
+        pytest.skip("this MPI library has ULFM: the tests that kill workers run instead")
+    proc, after = run(4, *argv, env={"FAILURE_DIR": str(tmp_path)}, timeout=60)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert after < SLACK, after
-    assert "AD-PSGD on_failure='continue': ULFM is not available (mpi4py has no ULFM calls" in proc.stderr
+    assert f"{who} on_failure='continue': ULFM is not available (mpi4py has no ULFM calls" in proc.stderr
     assert "a worker that dies ends the job (the fail-fast abort stays)" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_prague_on_failure_continue_refuses_the_static_schedule() -> None:
+    """The static schedule needs every worker to average in step: with on_failure="continue"
+    it is refused, on every rank, naming the policies that can go on."""
+    x = np.zeros(4)
+    sgd = algorithms.SGD(x, lr=0.0)
+    with pytest.raises(collectives.ArgumentError, match="on_failure='continue' needs groups from the group generator"):
+        algorithms.create("prague", x, sgd, MPI.COMM_WORLD, policy="static", on_failure="continue")
+    with pytest.raises(collectives.ArgumentError, match="unknown on_failure 'later'; valid: abort, continue"):
+        algorithms.create("prague", x, sgd, MPI.COMM_WORLD, on_failure="later")
 
 
 def test_orphaned_segments_are_removed_and_mapped_ones_kept() -> None:

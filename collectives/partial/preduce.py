@@ -70,6 +70,45 @@ messages on the critical path (REQUEST, NOTIFY; DONE is not waited for) plus
 the kernel on k ranks — for ring 2(k-1) alpha + 2 n (k-1)/k beta +
 n (k-1)/k gamma — and n gamma for the division. Plus any queueing at GG.
 
+A worker that dies (``on_failure="continue"``, where the MPI library has
+ULFM: :mod:`collectives.transport.faults`; elsewhere a death ends the job):
+
+* **detection**: a member of a group with it sees the group's transfers fail;
+  a worker waiting for GG on the dead host sees its probe fail; GG itself
+  sees any death at its next probe for messages from any worker (ULFM fails
+  a wildcard receive once a failure is known). Whoever sees it revokes both
+  private communicators, so every survivor's next P-Reduce call fails too.
+  GG's thread ends; the survivors' waits poll (a blocked wait would end with
+  a spurious error when Open MPI learns of the death late: :meth:`PReduce._failing`).
+* **recovery**, in the call that failed, collective over the survivors:
+  they agree and shrink the communicator, settle the group average in flight,
+  and start a new GG on the survivors, on its old process if it lives, else
+  on the survivors' rank 0. Lost with the old GG: its queue, locks and
+  outstanding requests (every group is settled, and each survivor's
+  interrupted ``average()`` returns: its next one requests anew), its
+  random generator's position (the new one starts from ``seed``) and, under
+  ``aware``, the measured costs (measured anew). None of it is needed for
+  correctness: the invariant GG keeps (no two active groups share a worker)
+  holds trivially with no group active. ``settle()`` and ``close()`` end
+  with an agreement (one more collective) so that every survivor leaves them
+  with the same verdict, or all recover and do it again.
+* **no partial average**: before a group's all-reduce each member copies its
+  buffer aside; after it, the members exchange an empty "I hold the average"
+  message, and a member goes on past the group only once every other member
+  said so (*confirmed*). A confirmed group is held by every member; so in a
+  recovery, where some surviving member confirmed the group (it has
+  confirmed one more group with each other member than they with it: the
+  counts are gathered), every surviving member keeps the average, and
+  otherwise every surviving member takes its copy back, none having gone
+  past the group. With learning rate 0 the survivors' sum is then what they
+  held less the dead worker's model (its model before the group where the
+  group was taken back). Cost, in this mode only: m bytes of memory and an
+  m-byte copy per averaging (less than the kernel's own reduction of m
+  bytes), and one zero-byte message to and from each other member (alpha).
+
+The static schedule cannot go on after a death (every worker must reach
+each iteration's group): ``continue`` with it is refused.
+
 Reference: Luo, He, Zhuo & Qian, "Prague: High-Performance
 Heterogeneity-Aware Asynchronous Decentralized Training", ASPLOS 2020; seed
 001 section 5.1.
@@ -81,6 +120,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TextIO, Union
 
@@ -92,7 +133,7 @@ from ..errors import ArgumentError, CollectiveError, renamed_keyword
 from ..kernels import butterfly, halving_doubling, reduce_broadcast, ring
 from ..kernels.plans import Kernel
 from ..topology.layout import layout as node_layout
-from ..transport import gpu, p2p, threads, watchdog
+from ..transport import faults, gpu, p2p, threads, watchdog
 from ..transport.buffers import array_module, as_flat
 from ..transport.context import context
 from ..transport.ops import reduction
@@ -104,6 +145,8 @@ from .group_generator import Group, GroupGenerator, check_group_size, check_poli
 REQUEST, DONE, CLOSE, PAUSE = 1, 2, 3, 4
 NOTIFY, SHUTDOWN, QUIET = 1, 2, 3
 TO_GG, TO_WORKER = 1, 2
+#: The tag of a group member's "I hold the group's average" word (on_failure="continue").
+COMPUTED = 0x7043
 
 #: Environment variable that switches the GG trace on: "1" or "stderr",
 #: "stdout", or a file path (appended to).
@@ -174,6 +217,18 @@ class PReduce:
             written by ``service_rank`` only.
         validate: check the arguments agree across ranks (None reads
             ``MPIDL_VALIDATE``, default on).
+        on_failure: "abort" (a worker's death ends the job) or "continue"
+            (the survivors go on, where the MPI library has ULFM; elsewhere
+            rank 0 warns that it has not, and a death ends the job; module
+            docstring). Not with ``static``.
+
+    Attributes:
+        comm: the workers' communicator: ``comm``, or after a death the survivors'.
+        rank, size: this worker's rank in it, and its size.
+        lost: the ``MPI_COMM_WORLD`` ranks of the workers that died.
+        survives: whether a worker's death leaves the others averaging.
+        stats: :class:`PReduceStats`.
+        last_group: the members of the group that served the last ``average()``.
 
     Raises:
         ArgumentError: bad or disagreeing arguments, or a trace file that
@@ -195,6 +250,7 @@ class PReduce:
         trace: TraceSpec = None,
         validate: bool | None = None,
         algorithm: str | None = None,
+        on_failure: str = "abort",
     ) -> None:
         collective = renamed_keyword("PReduce", "algorithm", "collective", algorithm, collective, "ring")
         user = MPI.COMM_WORLD if comm is None else comm
@@ -204,7 +260,7 @@ class PReduce:
             group_size = min(2, self.size)
         options = (
             f"group_size={group_size} policy={policy} period={period} cross_every={cross_every} "
-            f"seed={seed} service_rank={service_rank}"
+            f"seed={seed} service_rank={service_rank} on_failure={on_failure}"
         )
         problem = None
         try:
@@ -212,7 +268,7 @@ class PReduce:
             self._on_host = type(self._flat.data) is np.ndarray
             self._red = reduction("avg", self._flat.dtype, array_module(self._flat.data))
             self._kernel = check_options(
-                self.size, collective, policy, group_size, period, seed, service_rank, cross_every
+                self.size, collective, policy, group_size, period, seed, service_rank, cross_every, on_failure
             )
         except ArgumentError as exc:
             problem = exc
@@ -248,37 +304,57 @@ class PReduce:
         if not self._on_host:
             gpu.ensure(ctx.comm, self._flat)
         self.group_size, self.policy, self.period, self.seed = int(group_size), policy, period, seed
+        self.cross_every = cross_every
+        self.survives = faults.survival(on_failure, "P-Reduce", self.rank)
+        self.comm: MPI.Comm = user
+        self.lost: list[int] = []
         self.stats = PReduceStats()
         self.last_group: tuple[int, ...] | None = None  # the group that served the last average()
-        self._service_rank = service_rank
         self._iteration = 0
         self._closed = False
-        self._groups: dict[tuple[int, ...], GroupComm] = {}
-        self._trace = _open_trace(ctx.comm, trace, service_rank)
-        self._data = ctx.comm.Dup()
+        self._trace_spec = trace
+        self._inbox = np.zeros(4 + self.group_size, np.int64)
+        self._outbox = np.zeros(2, np.int64)
         self._thread: threading.Thread | None = None
         self._service: _Service | None = None
         self._stalled: watchdog.Reporter | None = None
-        if policy != "static":
-            self._ctl = ctx.comm.Dup()
-            self._inbox = np.zeros(4 + self.group_size, np.int64)
-            self._outbox = np.zeros(2, np.int64)
-            nodes = node_layout(user).node_of if policy == "aware" else None  # collective on first use
-            if self.rank == service_rank:
-                gg = GroupGenerator(
-                    self.size,
-                    self.group_size,
-                    policy,
-                    seed=seed,
-                    nodes=nodes,
-                    cross_every=cross_every,
-                    trace=self._trace.write if self._trace else None,
-                )
-                self._service = _Service(self._ctl, gg, self._trace)
-                self._trace = None  # the service owns it now
-                self._thread = threads.start(self._service.run, "mpidl-group-generator")
-                self._stalled = gg.stalled
-                watchdog.add_reporter(self._stalled)
+        # Where a worker's death is survived: the buffer before the exchange in flight, that
+        # exchange's members (world ranks) until every member is known to hold its average,
+        # and the exchanges so confirmed with each other worker (world rank).
+        self._pre = array_module(self._flat.data).empty_like(self._flat.data) if self.survives else None
+        self._pending: tuple[int, ...] | None = None
+        self._confirmed: dict[int, int] = {}
+        self._connect(ctx.comm, user, service_rank)
+
+    def _connect(self, comm: MPI.Comm, user: MPI.Comm, service_rank: int) -> None:
+        """Set up the private communicators (duplicates of ``comm``) and, on
+        ``service_rank``, the group generator's thread (collective over ``comm``;
+        ``user``: the caller's communicator, whose node layout the aware policy reads)."""
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._service_rank = service_rank
+        self._groups: dict[tuple[int, ...], GroupComm] = {}
+        self._trace = _open_trace(comm, self._trace_spec, service_rank)
+        self._data = faults.returning(comm.Dup()) if self.survives else comm.Dup()
+        self._world = p2p.world_ranks(self._data)
+        if self.policy == "static":
+            return
+        self._ctl = faults.returning(comm.Dup()) if self.survives else comm.Dup()
+        nodes = node_layout(user).node_of if self.policy == "aware" else None  # collective on first use
+        if self.rank == service_rank:
+            gg = GroupGenerator(
+                self.size,
+                min(self.group_size, self.size),
+                self.policy,
+                seed=self.seed,
+                nodes=nodes,
+                cross_every=self.cross_every,
+                trace=self._trace.write if self._trace else None,
+            )
+            self._service = _Service(self._ctl, gg, self._trace, (self._ctl, self._data) if self.survives else ())
+            self._trace = None  # the service owns it now
+            self._thread = threads.start(self._service.run, "mpidl-group-generator")
+            self._stalled = gg.stalled
+            watchdog.add_reporter(self._stalled)
 
     def average(self) -> Any:
         """Average the bound buffer with a group from the GG, in place, and return it.
@@ -303,13 +379,17 @@ class PReduce:
             self.stats.groups += 1
             self.last_group = members
         else:
-            self._tell(REQUEST)
-            while True:
-                served = self._serve()
-                if served is None:
-                    raise CollectiveError("the group generator stopped with a request outstanding")
-                if served:
-                    break
+            try:
+                with self._failing():
+                    self._tell(REQUEST)
+                    while True:
+                        served = self._serve()
+                        if served is None:
+                            raise CollectiveError("the group generator stopped with a request outstanding")
+                        if served:
+                            break
+            except faults.PeerFailure:
+                self._recover()
         self.stats.calls += 1
         return self._flat.owner
 
@@ -321,9 +401,7 @@ class PReduce:
         if self._closed:
             raise CollectiveError("PReduce.settle() after close()")
         if self.policy != "static":
-            self._tell(PAUSE)
-            while self._serve("settle") is not None:
-                pass
+            self._until_all(PAUSE, "settle")
 
     def state_dict(self) -> dict[str, Any]:
         """What the next ``average()`` depends on besides the buffer, after
@@ -355,9 +433,7 @@ class PReduce:
             return
         self._closed = True
         if self.policy != "static":
-            self._tell(CLOSE)
-            while self._serve("close") is not None:
-                pass
+            self._until_all(CLOSE, "close")
             if self._thread is not None:
                 self._thread.join()
             if self._stalled is not None:  # its stalls are over only now
@@ -375,6 +451,118 @@ class PReduce:
         # others. An ArgumentError is raised on every rank alike: they close together.
         if kind is None or issubclass(kind, ArgumentError):
             self.close()
+
+    def _until_all(self, kind: int, call: str) -> None:
+        """Send PAUSE or CLOSE (``kind``) and serve drafts until GG answers QUIET or
+        SHUTDOWN. Where a worker's death is survived, the workers then agree whether
+        one died (so that all leave the call, or none: the others would wait for those
+        gone in the recovery) and, if so, recover and do it again among the survivors."""
+        while True:
+            ended = True
+            try:
+                with self._failing():
+                    self._tell(kind)
+                    while self._serve(call) is not None:
+                        pass
+            except faults.PeerFailure:
+                ended = False
+            if not self.survives:
+                return
+            with p2p.waiting(self._ctl):
+                if faults.agree(self._ctl, ended):
+                    return
+            self._recover(agreed=True)
+
+    @contextmanager
+    def _failing(self) -> Iterator[None]:
+        """Where a worker's death is survived: a block whose MPI error of a dead peer (or of
+        a revoked communicator) revokes both private communicators, so that every survivor
+        sees it, and raises :class:`~collectives.transport.faults.PeerFailure`. Its waits
+        poll (:func:`~collectives.transport.p2p.poll_waits`): Open MPI (5.0) ends every
+        blocked wait of a process with an error when it learns of a failure or a
+        revocation, on whatever communicator, so a survivor that heard of a death late
+        would see one on the survivors' new communicators (a recovery that lost no one
+        was seen once); a test of a request is not ended so."""
+        if not self.survives:
+            yield
+            return
+        blocking = p2p.poll_waits(True)
+        try:
+            with faults.revoking((self._ctl, self._data)):
+                yield
+        finally:
+            p2p.poll_waits(blocking)
+
+    def _recover(self, agreed: bool = False) -> None:
+        """After a peer failed (collective over the survivors; module docstring): stop the
+        group generator, agree (unless the caller did), shrink, settle the exchange that
+        the failure interrupted, and start over on the survivors, the group generator on
+        its old process if it survived, else on the survivors' rank 0."""
+        old = (self._ctl, self._data)
+        for comm in old:
+            faults.revoke(comm)  # where this worker saw it first: the group generator stops too
+        if self._thread is not None:
+            self._thread.join()
+        if self._stalled is not None:
+            watchdog.remove_reporter(self._stalled)
+        self._thread = self._service = self._stalled = None
+        p2p.operation("P-Reduce recovery (agreeing with the survivors and shrinking the communicator)")
+        with p2p.waiting(self._ctl):
+            if not agreed:
+                faults.agree(self._ctl, False)
+            survivors, lost = faults.shrink(self._ctl)
+        self._reconcile(survivors)
+        service = self._world[self._service_rank]
+        for comm in old:
+            comm.Free()
+        self.lost += lost
+        self.comm = survivors
+        world = p2p.world_ranks(survivors)
+        self._connect(survivors, survivors, world.index(service) if service in world else 0)
+        if self.rank == 0:
+            moved = "" if service in world else f", restarted on rank {world[0]} of MPI_COMM_WORLD"
+            faults.warn(
+                f"P-Reduce: worker(s) {', '.join(map(str, lost))} of MPI_COMM_WORLD failed; {self.size} continue "
+                f"with a new group generator{moved}"
+            )
+
+    def _reconcile(self, survivors: MPI.Intracomm) -> None:
+        """Make the survivors of the exchange in flight keep its average or all take it back
+        (collective over ``survivors``): a member that confirmed it (every member said it
+        holds the average) has confirmed one more exchange with each of the others than they
+        have with it; where no survivor did, each member restores its buffer from before."""
+        me, world = self._world[self.rank], p2p.world_ranks(survivors)
+        counts = np.zeros(MPI.COMM_WORLD.Get_size(), np.int64)
+        for peer, n in self._confirmed.items():
+            counts[peer] = n
+        table = np.empty((len(world), counts.size), np.int64)
+        blocking = p2p.poll_waits(True)  # not a blocking wait (_failing)
+        try:
+            with p2p.waiting(survivors):
+                p2p.complete(survivors.Iallgather(counts, table))
+        finally:
+            p2p.poll_waits(blocking)
+        views = dict(zip(world, table))
+        members, self._pending = self._pending, None
+        if members is None:
+            return
+        kept = any(views[m][me] > counts[m] for m in members if m != me and m in views)
+        if not kept:
+            array_module(self._flat.data).copyto(self._flat.data, self._pre)
+
+    def _confirm(self, members: tuple[int, ...]) -> None:
+        """Tell the other ``members`` that this worker holds the group's average, and wait
+        until each has said so (on_failure="continue": then the exchange is confirmed)."""
+        others = tuple(m for m in members if m != self.rank)
+        word = np.empty(0, np.uint8)
+        pending = [self._data.Irecv([word, MPI.BYTE], m, COMPUTED) for m in others]
+        pending += [self._data.Isend([word, MPI.BYTE], m, COMPUTED) for m in others]
+        with faults.revoking((self._ctl, self._data), pending):
+            p2p.waitall(pending, self._data, others)
+        for m in others:
+            world = self._world[m]
+            self._confirmed[world] = self._confirmed.get(world, 0) + 1
+        self._pending = None
 
     def _serve(self, call: str = "average") -> bool | None:
         """Run the next group GG notified: True if it served this rank's request,
@@ -413,8 +601,14 @@ class PReduce:
         """Average the buffer among ``members`` (parent ranks, ascending, self included)."""
         t = time.perf_counter()
         if len(members) > 1 and self._flat.size:
-            self._kernel(self._flat.data, self._group(members), self._red)  # type: ignore[arg-type]  # GroupComm: the kernels' subset of a Comm
-            self._red.finalize(self._flat.data, len(members))
+            data = self._flat.data
+            if self._pre is not None:  # a worker's death is survived: keep what the exchange may take back
+                array_module(data).copyto(self._pre, data)
+                self._pending = tuple(self._world[m] for m in members)
+            self._kernel(data, self._group(members), self._red)  # type: ignore[arg-type]  # GroupComm: the kernels' subset of a Comm
+            self._red.finalize(data, len(members))
+            if self._pre is not None:
+                self._confirm(members)
         self.stats.reduce_s += time.perf_counter() - t
 
     def _group(self, members: tuple[int, ...]) -> GroupComm:
@@ -427,7 +621,7 @@ class PReduce:
 
     def _tell(self, kind: int, arg: int = 0) -> None:
         self._outbox[0], self._outbox[1] = kind, arg
-        self._ctl.Send([self._outbox, MPI.INT64_T], self._service_rank, TO_GG)
+        p2p.complete(self._ctl.Isend([self._outbox, MPI.INT64_T], self._service_rank, TO_GG))
 
 
 def check_options(
@@ -439,6 +633,7 @@ def check_options(
     seed: int,
     service_rank: int,
     cross_every: int = 2,
+    on_failure: str = "abort",
 ) -> Kernel:
     """Raise ArgumentError for a bad option, or for a policy whose group generator
     needs a thread level MPI does not provide; return the kernel of ``collective``."""
@@ -452,6 +647,13 @@ def check_options(
             raise ArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
     if isinstance(service_rank, bool) or not isinstance(service_rank, int) or not 0 <= service_rank < size:
         raise ArgumentError(f"service_rank must be a rank in 0..{size - 1}, got {service_rank!r}")
+    if on_failure not in faults.ON_FAILURE:
+        raise ArgumentError(f"unknown on_failure {on_failure!r}; valid: {', '.join(faults.ON_FAILURE)}")
+    if on_failure == "continue" and policy == "static":
+        raise ArgumentError(
+            "on_failure='continue' needs groups from the group generator (policy random, smart or aware): "
+            "the static schedule needs every worker to average in step, which a death breaks"
+        )
     if policy != "static":
         threads.require_multiple(f"P-Reduce's group generator (policy {policy!r}) runs on a service thread")
     return kernel
@@ -476,15 +678,26 @@ def _open_trace(comm: MPI.Comm, spec: TraceSpec, service_rank: int) -> _Trace | 
 class _Service:
     """The GG thread: receives workers' messages, feeds the state machine, notifies members."""
 
-    def __init__(self, ctl: MPI.Comm, gg: GroupGenerator, trace: _Trace | None) -> None:
-        self.ctl, self.gg, self.trace = ctl, gg, trace
+    def __init__(
+        self, ctl: MPI.Comm, gg: GroupGenerator, trace: _Trace | None, revoked: tuple[MPI.Comm, ...] = ()
+    ) -> None:
+        self.ctl, self.gg, self.trace, self.revoked = ctl, gg, trace, revoked
         self.sends: list[tuple[MPI.Request, np.ndarray]] = []  # notifications in flight, with their buffers
         self.paused = gg.state_dict()  # GG's state at the last pause (or the start)
 
     def run(self) -> None:
-        """The thread (an exception ends the job: it would hang every worker)."""
+        """The thread (an exception ends the job: it would hang every worker). Where a
+        worker's death is survived (``revoked``: the communicators to revoke), an MPI
+        error of a dead peer or a revoked communicator revokes them and ends the thread
+        quietly: the workers recover (:meth:`PReduce._recover`)."""
         try:
             self._loop()
+        except MPI.Exception as exc:
+            if not (self.revoked and faults.is_failure(exc)):
+                raise
+            for comm in self.revoked:
+                faults.revoke(comm)
+            faults.drain([r for r, _ in self.sends])
         finally:
             if self.trace is not None:
                 self.trace.close()

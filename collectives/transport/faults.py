@@ -43,13 +43,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 from mpi4py import MPI
 
-from ..errors import CollectiveError
+from ..errors import ArgumentError, CollectiveError
 from . import context, logs
 
 log = logging.getLogger("collectives.faults")
@@ -59,6 +59,10 @@ C = TypeVar("C", bound=MPI.Comm)
 FAILURE_CLASSES = frozenset(
     getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED") if hasattr(MPI, name)
 )
+
+#: What a worker's death does to an algorithm that can survive it: end the job, or let the
+#: survivors go on (:func:`survival`).
+ON_FAILURE = ("abort", "continue")
 
 #: Where Open MPI's launcher passes the MCA parameter that enables ULFM (``--with-ft ulfm`` sets it).
 FT_ENABLE = "OMPI_MCA_mpi_ft_enable"
@@ -106,6 +110,29 @@ def finalize_hazard() -> str | None:
     )
 
 
+def survival(on_failure: str, who: str, rank: int) -> bool:
+    """Whether ``who`` (an algorithm's name) survives a worker's death: ``on_failure`` is
+    "continue" and ULFM is available. Where it is asked for but not available, or where
+    :func:`finalize_hazard` applies, rank 0 warns (saying what stays: the fail-fast abort).
+
+    Raises:
+        ArgumentError: ``on_failure`` is not one of :data:`ON_FAILURE`.
+    """
+    if on_failure not in ON_FAILURE:
+        raise ArgumentError(f"unknown on_failure {on_failure!r}; valid: {', '.join(ON_FAILURE)}")
+    if on_failure != "continue":
+        return False
+    why, hazard = unavailable(), finalize_hazard()
+    if why is not None and rank == 0:
+        warn(
+            f"{who} on_failure='continue': ULFM is not available ({why}); "
+            "a worker that dies ends the job (the fail-fast abort stays)"
+        )
+    if hazard is not None and rank == 0:
+        warn(f"{who} on_failure='continue': {hazard}")
+    return why is None
+
+
 def _on(variable: str) -> bool:
     """Whether the MCA parameter the environment ``variable`` passes is true."""
     return os.environ.get(variable, "0").lower() in ("1", "true", "yes", "on")
@@ -148,16 +175,17 @@ def drain(pending: Iterable[Any]) -> None:
 
 
 @contextmanager
-def revoking(comm: MPI.Comm, pending: Iterable[Any] = ()) -> Iterator[None]:
+def revoking(comm: MPI.Comm | Sequence[MPI.Comm], pending: Iterable[Any] = ()) -> Iterator[None]:
     """Run the block; where it raises an MPI error of a dead peer (or of a revoked
-    ``comm``), revoke ``comm``, complete ``pending`` and raise :class:`PeerFailure`.
-    Other errors pass unchanged."""
+    communicator), revoke ``comm`` (or each of a sequence of communicators), complete
+    ``pending`` and raise :class:`PeerFailure`. Other errors pass unchanged."""
     try:
         yield
     except MPI.Exception as exc:
         if not is_failure(exc):
             raise
-        revoke(comm)
+        for c in [comm] if isinstance(comm, MPI.Comm) else comm:
+            revoke(c)
         drain(pending)
         raise PeerFailure(f"a peer failed or the communicator was revoked: {exc.Get_error_string()}") from exc
 

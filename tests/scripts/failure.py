@@ -32,6 +32,17 @@ Modes:
            each recovery the survivors settle and print ``failure.py: trial SEED.K
            SIDE WHEN lost R error E``: E the largest difference of their sum from
            what they held less the dead worker's model.
+  prague SEED  Prague (smart pairs) with on_failure="continue" on 4 ranks, learning rate 0,
+           random float64 models: three workers die one after the other, each at the
+           point of a group's average that PRAGUE_PLANS[SEED] gives it (``before`` it
+           sends anything, ``during`` it (its half of the reduce-scatter sent, nothing
+           of the all-gather), ``after`` it (its average confirmed by its partner; 0.2 s
+           later)), a plain worker or the group generator's host (rank 0 of the
+           workers), armed after a number of steps drawn from SEED; each writes into
+           $FAILURE_DIR the model the survivors must count as its own (the one it held
+           before a failed average). After each recovery the survivors settle and print
+           ``failure.py: prague SEED.K WHO WHEN lost R error E``: E the largest
+           difference of their sum from what they held less the dead worker's model.
   train    ``mpidl train ARGS``, where rank 1 kills itself (SIGKILL) when the checkpoint
            after step $FAILURE_KILL_STEP is due, before writing it; with
            $FAILURE_SAVE_RESTORED=DIR, a resumed run first checkpoints the state it
@@ -53,6 +64,7 @@ import signal
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -72,8 +84,56 @@ KILL_POINTS = [
 ]
 
 
+#: The two deaths of each ``prague`` run: (whose, when), whose "service" the group
+#: generator's host, "worker" another worker.
+PRAGUE_PLANS = [
+    [("worker", "before"), ("service", "during"), ("worker", "after")],
+    [("service", "before"), ("worker", "during"), ("service", "after")],
+]
+
+
 def announce() -> None:
     print(f"failure.py: rank {rank} {mode} at {time.time():.3f}", file=sys.stderr, flush=True)
+
+
+def deaths_in_turn(
+    algo: Any,
+    x: np.ndarray,
+    name: str,
+    seed: int,
+    trials: int,
+    draw: Callable[[int], tuple[int, str, str, int]],
+    arm: Callable[[int, str, str], None],
+) -> None:
+    """Step ``algo`` (learning rate 0, on ``x``; random sleeps seeded by ``seed``) until ``trials``
+    workers have died one after the other, then 20 steps more, and close it. Before death K,
+    ``draw(K)`` gives the victim (a world rank), two words naming its death and the step after
+    which ``arm(K, *words)`` makes it die, leaving in $FAILURE_DIR/NAME-K.npy the model the
+    survivors must count as its own. After each recovery the survivors settle and print
+    ``failure.py: NAME SEED.K WORDS lost R error E``, E the largest difference of their sum
+    from what they held less the dead worker's model."""
+    rng = np.random.default_rng([11, seed, rank])
+    total = algo.comm.allreduce(x)
+    trial, after, seen = 0, 0, 0
+    victim, first, second, arm_at = draw(trial)
+    while trial < trials or after < 20:
+        if rank == victim and after == arm_at:
+            arm(trial, first, second)
+        time.sleep(rng.uniform(0, 2e-3))
+        algo.step(np.zeros_like(x))
+        after += 1
+        if len(algo.lost) > seen:
+            algo.settle()
+            survivors = algo.comm.allreduce(x)
+            model = np.load(os.path.join(os.environ["FAILURE_DIR"], f"{name}-{trial}.npy"))
+            error = float(np.abs(survivors - (total - model)).max())
+            if algo.comm.Get_rank() == 0:
+                lost = ",".join(map(str, algo.lost[seen:]))
+                print(f"failure.py: {name} {seed}.{trial} {first} {second} lost {lost} error {error:.3g}", flush=True)
+            total, seen, trial, after = survivors, len(algo.lost), trial + 1, 0
+            if trial < trials:
+                victim, first, second, arm_at = draw(trial)
+    algo.close()
 
 
 if mode == "train":
@@ -157,16 +217,14 @@ if mode == "trials":
     # the survivors settle and compare their sum.
     seed = int(sys.argv[2])
     faulthandler.dump_traceback_later(40)
-    rng = np.random.default_rng([11, seed, rank])
     x = np.random.default_rng([7, seed, rank]).standard_normal(100)
     algo = algorithms.create("adpsgd", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, on_failure="continue")
     plan = np.random.default_rng([13, seed])
-    total = comm.allreduce(x)
     folder = os.environ["FAILURE_DIR"]
 
     def die(trial: int, point: str, model: np.ndarray) -> None:
         """Leave this worker's model as the survivors must count it, and die."""
-        np.save(os.path.join(folder, f"dead-{trial}.npy"), model)
+        np.save(os.path.join(folder, f"trial-{trial}.npy"), model)
         print(f"failure.py: rank {rank} {mode} at {time.time():.3f} ({point})", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -209,26 +267,66 @@ if mode == "trials":
         candidates = [world[r] for r in range(algo.size) if (sides[r] == 0) == (side == "active")]
         return candidates[int(plan.integers(len(candidates)))], side, when, int(plan.integers(5, 30))
 
-    trial, after, seen = 0, 0, 0
-    victim, side, when, arm_at = draw(trial)
-    while trial < 2 or after < 20:
-        if rank == victim and after == arm_at:
-            arm(trial, side, when)
-        time.sleep(rng.uniform(0, 2e-3))
-        algo.step(np.zeros_like(x))
-        after += 1
-        if len(algo.lost) > seen:
-            algo.settle()
-            survivors = algo.comm.allreduce(x)
-            dead = np.load(os.path.join(folder, f"dead-{trial}.npy"))
-            error = float(np.abs(survivors - (total - dead)).max())
-            if algo.comm.Get_rank() == 0:
-                lost = ",".join(map(str, algo.lost[seen:]))
-                print(f"failure.py: trial {seed}.{trial} {side} {when} lost {lost} error {error:.3g}", flush=True)
-            total, seen, trial, after = survivors, len(algo.lost), trial + 1, 0
-            if trial < 2:
-                victim, side, when, arm_at = draw(trial)
-    algo.close()
+    deaths_in_turn(algo, x, "trial", seed, 2, draw, arm)
+    sys.exit(0)
+
+if mode == "prague":
+    import algorithms
+    from collectives.kernels import ring
+    from collectives.transport import p2p
+
+    seed = int(sys.argv[2])
+    faulthandler.dump_traceback_later(40)
+    x = np.random.default_rng([7, seed, rank]).standard_normal(100)
+    algo = algorithms.create(
+        "prague", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, policy="smart", on_failure="continue"
+    )
+    plan = np.random.default_rng([19, seed])
+    folder = os.environ["FAILURE_DIR"]
+
+    def die(trial: int, point: str, model: np.ndarray) -> None:
+        """Leave this worker's model as the survivors must count it, and die."""
+        np.save(os.path.join(folder, f"prague-{trial}.npy"), model)
+        print(f"failure.py: rank {rank} dies {point}", file=sys.stderr, flush=True)
+        announce()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm(trial: int, who: str, when: str) -> None:
+        """Make this worker (``who``: the group generator's host or another) die at the point
+        ``when`` of its next group's average."""
+        preduce = algo.preduce
+        run, point = preduce._run, f"{when} a group's average"
+
+        def dying(members: tuple[int, ...]) -> None:
+            if len(members) == 1:
+                return run(members)
+            if when == "before":  # notified of the group, nothing sent
+                die(trial, point, x.copy())
+            if when == "during":  # its half of the reduce-scatter sent: the average fails on both ends
+                before = x.copy()
+
+                def halfway(data: np.ndarray, group: object, red: object) -> None:
+                    ring.reduce_scatter(data, group, red)  # type: ignore[arg-type]
+                    die(trial, point, before)
+
+                preduce._kernel = halfway
+            run(members)
+            time.sleep(0.2)  # after: the average confirmed on both ends
+            die(trial, point, x.copy())
+
+        preduce._run = dying  # type: ignore[method-assign]
+
+    plans = PRAGUE_PLANS[seed % len(PRAGUE_PLANS)]
+
+    def draw(trial: int) -> tuple[int, str, str, int]:
+        """The next victim (a world rank: the group generator's host or a drawn other
+        worker), its kill point, and after how many steps it is armed."""
+        who, when = plans[trial]
+        world = p2p.world_ranks(algo.comm)
+        victim = world[0] if who == "service" else world[1 + int(plan.integers(len(world) - 1))]
+        return victim, who, when, int(plan.integers(5, 30))
+
+    deaths_in_turn(algo, x, "prague", seed, len(plans), draw, arm)
     sys.exit(0)
 
 x = np.ones(1000, np.float32)
