@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         results[key] = sweep.median_of([summarize(r, setup.target) for r in loaded])
     finally:
         if not args.report_only:
-            sweep.cluster("shape", "--rate", setup.rate)
+            sweep.cluster("shape", "--rate", setup.rate, "--no-check")  # the links as they were; the next shape checks
     text = sweep.rst_table(COLUMNS, rows(results, runs))
     (args.out / "table.rst").write_text(text)
     with open(args.out / "table.csv", "w", newline="") as f:
