@@ -105,6 +105,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -344,7 +345,7 @@ class ADPSGD(Algorithm):
                 ended = False
         elif self._server is not None:
             t0 = time.perf_counter()
-            ended = self._server.wait_for_ends(len(self.peers))
+            ended = self._server.wait_for_ends(self.peers)
             self.comm_wait_s += time.perf_counter() - t0
             self._count_served()
         if not self.survives:
@@ -473,7 +474,7 @@ class _Server:
 
     def __init__(self, algo: ADPSGD) -> None:
         self.algo = algo
-        self._ends = 0
+        self._ends: Counter[int] = Counter()  # end markers not yet consumed, per active neighbor
         self._served = self._sent = 0  # since the last take_counts()
         self._cond = threading.Condition()
         self._stopping = False
@@ -506,7 +507,7 @@ class _Server:
             if status.Get_count(MPI.BYTE) == 0:
                 p2p.recv(comm, x[:0], peer)
                 with self._cond:
-                    self._ends += 1
+                    self._ends[peer] += 1
                     self._cond.notify_all()
                 continue
             p2p.operation(f"AD-PSGD averaging requested by rank {peer}")
@@ -551,17 +552,20 @@ class _Server:
             self._served = self._sent = 0
         return counts
 
-    def wait_for_ends(self, k: int) -> bool:
-        """Wait until ``k`` end markers have arrived since the last wait, and consume them;
-        False where the thread failed first (:attr:`failure`)."""
+    def wait_for_ends(self, peers: Sequence[int]) -> bool:
+        """Wait until an end marker has arrived from each of ``peers`` (the active neighbors)
+        since the last wait, and consume one of each; False where the thread failed first
+        (:attr:`failure`). Markers are counted per neighbor: one that settles twice with no
+        collective between (its second marker queued early) must not stand in for another
+        whose last averaging is still queued."""
         blocked = p2p.watch(self.algo._comm, self.algo.peers)
         p2p.operation("AD-PSGD settle (waiting for the active neighbors' end markers)")
         try:
             with self._cond:
-                self._cond.wait_for(lambda: self._ends >= k or self.failure is not None)
+                self._cond.wait_for(lambda: all(self._ends[p] for p in peers) or self.failure is not None)
                 if self.failure is not None:
                     return False
-                self._ends -= k
+                self._ends.subtract(peers)
                 return True
         finally:
             blocked.since = 0.0
