@@ -125,7 +125,7 @@ from collectives.transport.scratch import scratch
 
 from . import events
 from .base import Algorithm
-from .compressed import Gossip, gossip
+from .compressed import Gossip, gossip, host_copy, load_into, require
 from .error_feedback import zeros_like
 from .pair_gossip import PairCopies, edge_seed
 from .topology import Topology, build
@@ -463,20 +463,37 @@ class ADPSGD(Algorithm):
                 (xp.add if happened else xp.subtract)(x, deltas[active], out=x)
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters, the averagings, the last peer and the neighbor generator's state (after settle())."""
+        """The counters, the averagings, the last peer and the neighbor generator's state (after
+        settle()); compressed gossip: ``copies``, the edges' copies (mine, theirs per neighbor, in
+        the order of ``copy_peers``). The edges' compressors restart: random-k's draws and
+        PowerSGD's warm start begin again alike on both ends."""
         if self._background is not None and self._background.pending:
             raise RuntimeError("AD-PSGD state_dict() with an averaging in flight: call settle() first")
-        return {
+        state = {
             **super().state_dict(),
             "averagings": self.averagings,
             "last_peer": self.last_peer,
             "rng": self._rng.bit_generator.state,
         }
+        if self._gossip is not None:
+            peers = sorted(self.edges)
+            copies = [host_copy(c) for p in peers for c in (self.edges[p].mine, self.edges[p].theirs)]
+            state["copy_peers"] = peers
+            state["copies"] = np.stack(copies) if copies else np.zeros((0, self.flat.state_data.shape[0]))
+        return state
 
     def _load_state(self, state: dict[str, Any]) -> None:
         super()._load_state(state)
         self.averagings, self.last_peer = int(state["averagings"]), state["last_peer"]
         self._rng.bit_generator.state = state["rng"]
+        if self._gossip is not None:
+            require(state, ("copy_peers", "copies"), "the compressed gossip's copies; uncompressed AD-PSGD has none")
+            peers, copies = sorted(self.edges), state["copies"]
+            if list(state["copy_peers"]) != peers or len(copies) != 2 * len(peers):
+                raise ValueError(f"the copies are of the edges with {state['copy_peers']}, not {peers}")
+            for k, peer in enumerate(peers):
+                load_into(self.edges[peer].mine, copies[2 * k], f"the copy of the edge with {peer}")
+                load_into(self.edges[peer].theirs, copies[2 * k + 1], f"the copy of the edge with {peer}")
 
     def close(self) -> None:
         """Settle, stop the threads, free the private communicator (collective)."""

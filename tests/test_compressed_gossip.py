@@ -118,6 +118,28 @@ def test_an_exact_codec_averages_as_adpsgd(spec: str) -> None:
     assert all_ok(MPI.COMM_WORLD, ok), spec
 
 
+@pytest.mark.parametrize("size", [1, 3, 4])
+def test_the_copies_are_saved_and_restored(size: int) -> None:
+    """state_dict() holds every edge's two copies; a fresh worker (copies at 0) that loads
+    the state holds them bit for bit."""
+    comm = comm_of_size(size)
+    algo = run(comm, "topk:0.25", lr=0.05, steps=8)
+    state = algo.state_dict()
+    before = {p: (e.mine.tobytes(), e.theirs.tobytes()) for p, e in algo.edges.items()}
+    algo.close()
+    y = np.zeros((5, 8))
+    with algorithms.ADPSGD(y, SGD(y, lr=0.05), comm, compression="topk:0.25", broadcast_init=False) as copy:
+        copy.load_state_dict(state)
+        after = {p: (e.mine.tobytes(), e.theirs.tobytes()) for p, e in copy.edges.items()}
+    ok = (
+        before == after
+        and state["copy_peers"] == sorted(algo.peers)
+        and state["copies"].shape[0] == 2 * len(algo.peers)
+    )
+    ok &= comm.Get_size() == 1 or any(m != bytes(len(m)) for pair in after.values() for m in pair)
+    assert all_ok(MPI.COMM_WORLD, ok)
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
