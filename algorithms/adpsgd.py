@@ -62,6 +62,19 @@ server (:class:`collectives.transport.p2p.Backoff`, at most 250 us, which leaves
 cores to the computation) — off the active worker's critical path when the
 gradient takes longer.
 
+Compressed gossip (``compression="NAME[:PARAM]"``, ``gamma``): the pair
+exchanges compressed differences to public copies kept per edge instead of
+models (CHOCO-SGD's copies, :mod:`algorithms.pair_gossip`): a request
+carries the active worker's payload C(x_i - x^_i), the reply the passive
+worker's, P bytes each (the compressor's ``payload_nbytes`` of the state,
+against m), and both step by gamma / 2 towards the other's copy, so the
+pair's sum is kept. Atomic as the averaging: a passive worker's server holds
+the lock from receiving the payload to writing its step (encoding, reply,
+both copies of the edge updated), and an active worker's copies and model
+are written only by its averaging thread; its model gets the step in one
+pass (x += e), so a concurrent read sees each element before or after it.
+Memory: two copies of the state per neighbor and one work buffer.
+
 :meth:`ADPSGD.settle` (collective): every active worker waits for its
 averaging in flight and sends an end marker to each passive neighbor; every
 passive worker waits until its server has received one from each active
