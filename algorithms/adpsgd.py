@@ -62,6 +62,19 @@ server (:class:`collectives.transport.p2p.Backoff`, at most 250 us, which leaves
 cores to the computation) — off the active worker's critical path when the
 gradient takes longer.
 
+Compressed gossip (``compression="NAME[:PARAM]"``, ``gamma``): the pair
+exchanges compressed differences to public copies kept per edge instead of
+models (CHOCO-SGD's copies, :mod:`algorithms.pair_gossip`): a request
+carries the active worker's payload C(x_i - x^_i), the reply the passive
+worker's, P bytes each (the compressor's ``payload_nbytes`` of the state,
+against m), and both step by gamma / 2 towards the other's copy, so the
+pair's sum is kept. Atomic as the averaging: a passive worker's server holds
+the lock from receiving the payload to writing its step (encoding, reply,
+both copies of the edge updated), and an active worker's copies and model
+are written only by its averaging thread; its model gets the step in one
+pass (x += e), so a concurrent read sees each element before or after it.
+Memory: two copies of the state per neighbor and one work buffer.
+
 :meth:`ADPSGD.settle` (collective): every active worker waits for its
 averaging in flight and sends an end marker to each passive neighbor; every
 passive worker waits until its server has received one from each active
@@ -105,6 +118,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -113,7 +127,8 @@ from zlib import crc32
 import numpy as np
 from mpi4py import MPI
 
-from collectives import ArgumentError, reduction
+from collectives import ArgumentError, as_flat, reduction
+from collectives.compression.memory import RECEIVED
 from collectives.partial.placement import Placement
 from collectives.topology.layout import layout as node_layout
 from collectives.transport import faults, gpu, p2p, threads
@@ -123,6 +138,9 @@ from collectives.transport.scratch import scratch
 
 from . import events
 from .base import Algorithm
+from .compressed import Gossip, gossip, host_copy, load_into, require
+from .error_feedback import zeros_like
+from .pair_gossip import PairCopies, edge_seed
 from .topology import Topology, build
 
 #: How an active worker chooses the neighbor of its next averaging.
@@ -145,6 +163,11 @@ class ADPSGD(Algorithm):
         on_failure: "abort" (a worker's death ends the job) or "continue" (the
             survivors go on, where the MPI library has ULFM; elsewhere a warning
             says that it has not, and a death ends the job; module docstring).
+        compression: None (or "none"): whole models are exchanged; a compressor spec
+            "NAME[:PARAM]" of :data:`collectives.COMPRESSORS`: compressed gossip with
+            CHOCO-SGD's public copies kept per edge (:mod:`algorithms.pair_gossip`).
+        gamma: the compressed gossip's consensus step size in (0, 1] (None: the
+            compressor's, :func:`algorithms.compressed.consensus_step`).
 
     Attributes:
         topology: the resolved graph.
@@ -155,6 +178,10 @@ class ADPSGD(Algorithm):
         lost: the ``MPI_COMM_WORLD`` ranks of the workers that died (on_failure="continue").
         survives: whether a worker's death leaves the others training (on_failure="continue"
             and ULFM available).
+        compressor: the compressed gossip's compressor (its spec; each edge has its own), or None.
+        gamma: the compressed gossip's consensus step size, or None.
+        edges: compressed gossip: per neighbor, this end's copies of the edge
+            (:class:`~algorithms.pair_gossip.PairCopies`); else empty.
     """
 
     name = "adpsgd"
@@ -171,10 +198,17 @@ class ADPSGD(Algorithm):
         partner: str = "random",
         cross_every: int = 2,
         on_failure: str = "abort",
+        compression: str | None = None,
+        gamma: float | None = None,
         **common: Any,
     ) -> None:
         self.topology_arg, self.seed, self.partner, self.cross_every = topology, seed, partner, cross_every
-        self.on_failure = on_failure
+        self.on_failure, self.compression_arg, self.gamma_arg = on_failure, compression, gamma
+        self._gossip: Gossip | None = None
+        self.compressor: Any = None
+        self.gamma: float | None = None
+        self.edges: dict[int, PairCopies] = {}
+        self._copies_start = common.get("broadcast_init", True)  # the copies start at the common model
         self.survives = False
         self.lost: list[int] = []
         self.averagings = 0
@@ -212,6 +246,9 @@ class ADPSGD(Algorithm):
             raise ArgumentError(f"cross_every must be an integer >= 1, got {self.cross_every!r}")
         if self.on_failure not in ON_FAILURE:
             raise ArgumentError(f"unknown on_failure {self.on_failure!r}; valid: {', '.join(ON_FAILURE)}")
+        self._gossip = gossip(self.compression_arg, self.gamma_arg, self.flat, self.seed)
+        if self._gossip is not None:
+            self.compressor, self.gamma = self._gossip.compressor, self._gossip.gamma
         threads.require_multiple("AD-PSGD averages on service threads")
         if self.on_failure == "continue":
             why = faults.unavailable()
@@ -225,24 +262,35 @@ class ADPSGD(Algorithm):
             if hazard is not None and self.rank == 0:
                 faults.warn(f"AD-PSGD on_failure='continue': {hazard}")
         self.topology, self.active, self.peers = topo, sides[self.rank] == 0, topo.neighbors(self.rank)
-        return (topo.name, crc32(topo.W.tobytes()), self.seed, self.partner, self.cross_every, self.on_failure)
+        graph = (topo.name, crc32(topo.W.tobytes()))
+        compression = (self.compressor and self.compressor.spec, self.gamma)
+        return (*graph, self.seed, self.partner, self.cross_every, self.on_failure, *compression)
 
     def _start(self) -> None:
         self._comm = faults.returning(self.comm.Dup()) if self.survives else self.comm.Dup()
         self._lock = threading.Lock()
         self._red = reduction("avg", self.flat.dtype, array_module(self.flat.state_data))
         self._rng = np.random.default_rng([self.seed, self.rank])
-        self._start_threads()
+        if self._gossip is not None:
+            self._work = zeros_like(self.flat.state)
+        self._start_threads(self.flat.state if self._copies_start else None)
 
-    def _start_threads(self) -> None:
-        """Placement, and the averaging thread (active) or the server (passive), on ``self._comm``."""
+    def _start_threads(self, copies: Any = None) -> None:
+        """Placement, the edges' copies (compressed gossip; starting at ``copies`` or 0), and
+        the averaging thread (active) or the server (passive), on ``self._comm``."""
         self._placement = (
             Placement(node_layout(self.comm).node_of, self.cross_every) if self.partner == "aware" else None
         )
         self._world = p2p.world_ranks(self._comm)
-        self._exchanges = {}
+        self._exchanges, self.edges = {}, {}
         if not self.peers or not self.flat.state_data.shape[0]:  # no neighbor, or nothing to average
             return
+        if self._gossip is not None:
+            spec, layout, me = self._gossip.compressor.spec, self._gossip.layout, self._world[self.rank]
+            self.edges = {
+                peer: PairCopies(spec, layout, edge_seed(self.seed, me, self._world[peer]), self.flat.state, copies)
+                for peer in self.peers
+            }
         if self.active:
             self._background = Background(f"adpsgd-averaging-rank{self.rank}", gpu.device_of(self.flat.state_data))
         else:
@@ -280,24 +328,36 @@ class ADPSGD(Algorithm):
         return shuffled[0] if chosen is None else chosen[0]  # None: a crossing is due, but no neighbor is away
 
     def _average_with(self, peer: int, step: int) -> float:
-        """On the averaging thread: x_i, x_peer <- (x_i + x_peer) / 2 (the peer's server does its
-        half); the seconds it took (a recorded timeline gets it as a span of ``step``)."""
+        """On the averaging thread: x_i, x_peer <- (x_i + x_peer) / 2, or the compressed
+        gossip's exchange (the peer's server does its half); the seconds it took (a
+        recorded timeline gets it as a span of ``step``)."""
         t0 = time.perf_counter()
-        x = self.flat.state_data
-        theirs = scratch(x, x.shape[0])
         p2p.operation(f"AD-PSGD averaging with rank {peer}")
         world = self._world[peer]
         started = self._exchanges.get(world, (0, False))[0] + 1
         self._exchanges[world] = (started, False)
-        pending = [p2p.irecv(self._comm, theirs, peer), p2p.isend(self._comm, x, peer)]
-        with self._failing(pending):
-            p2p.waitall(pending, self._comm, (peer,), poll=True)
-        _average(self._red, x, theirs, peer < self.rank)
+        if self._gossip is None:
+            x = self.flat.state_data
+            theirs = scratch(x, x.shape[0])
+            self._swap(x, theirs, peer)
+            _average(self._red, x, theirs, peer < self.rank)
+        else:
+            edge, (_, _, gamma, shrink) = self.edges[peer], self._gossip
+            sent = edge.encode(self.flat.state, self._work, shrink)
+            received = scratch(sent, sent.shape[0], RECEIVED)
+            self._swap(sent, received, peer)
+            self.flat.state += edge.mix(sent, received, self._work, gamma)
         self._exchanges[world] = (started, True)
         t1 = time.perf_counter()
         if events.active is not None:
             events.active.add(f"average with rank {peer}", events.COMMUNICATION, t0, t1, step=step)
         return t1 - t0
+
+    def _swap(self, send: Any, recv: Any, peer: int) -> None:
+        """Send ``send`` to ``peer`` and receive ``recv`` from it (the averaging thread)."""
+        pending = [p2p.irecv(self._comm, recv, peer), p2p.isend(self._comm, send, peer)]
+        with self._failing(pending):
+            p2p.waitall(pending, self._comm, (peer,), poll=True)
 
     def _collect(self) -> bool:
         """Wait for the averaging in flight; count its time and bytes. False: a peer
@@ -344,7 +404,7 @@ class ADPSGD(Algorithm):
                 ended = False
         elif self._server is not None:
             t0 = time.perf_counter()
-            ended = self._server.wait_for_ends(len(self.peers))
+            ended = self._server.wait_for_ends(self.peers)
             self.comm_wait_s += time.perf_counter() - t0
             self._count_served()
         if not self.survives:
@@ -416,20 +476,37 @@ class ADPSGD(Algorithm):
                 (xp.add if happened else xp.subtract)(x, deltas[active], out=x)
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters, the averagings, the last peer and the neighbor generator's state (after settle())."""
+        """The counters, the averagings, the last peer and the neighbor generator's state (after
+        settle()); compressed gossip: ``copies``, the edges' copies (mine, theirs per neighbor, in
+        the order of ``copy_peers``). The edges' compressors restart: random-k's draws and
+        PowerSGD's warm start begin again alike on both ends."""
         if self._background is not None and self._background.pending:
             raise RuntimeError("AD-PSGD state_dict() with an averaging in flight: call settle() first")
-        return {
+        state = {
             **super().state_dict(),
             "averagings": self.averagings,
             "last_peer": self.last_peer,
             "rng": self._rng.bit_generator.state,
         }
+        if self._gossip is not None:
+            peers = sorted(self.edges)
+            copies = [host_copy(c) for p in peers for c in (self.edges[p].mine, self.edges[p].theirs)]
+            state["copy_peers"] = peers
+            state["copies"] = np.stack(copies) if copies else np.zeros((0, self.flat.state_data.shape[0]))
+        return state
 
     def _load_state(self, state: dict[str, Any]) -> None:
         super()._load_state(state)
         self.averagings, self.last_peer = int(state["averagings"]), state["last_peer"]
         self._rng.bit_generator.state = state["rng"]
+        if self._gossip is not None:
+            require(state, ("copy_peers", "copies"), "the compressed gossip's copies; uncompressed AD-PSGD has none")
+            peers, copies = sorted(self.edges), state["copies"]
+            if list(state["copy_peers"]) != peers or len(copies) != 2 * len(peers):
+                raise ValueError(f"the copies are of the edges with {state['copy_peers']}, not {peers}")
+            for k, peer in enumerate(peers):
+                load_into(self.edges[peer].mine, copies[2 * k], f"the copy of the edge with {peer}")
+                load_into(self.edges[peer].theirs, copies[2 * k + 1], f"the copy of the edge with {peer}")
 
     def close(self) -> None:
         """Settle, stop the threads, free the private communicator (collective)."""
@@ -473,7 +550,7 @@ class _Server:
 
     def __init__(self, algo: ADPSGD) -> None:
         self.algo = algo
-        self._ends = 0
+        self._ends: Counter[int] = Counter()  # end markers not yet consumed, per active neighbor
         self._served = self._sent = 0  # since the last take_counts()
         self._cond = threading.Condition()
         self._stopping = False
@@ -495,7 +572,11 @@ class _Server:
         algo = self.algo
         comm, x, lock = algo._comm, algo.flat.state_data, algo._lock
         gpu.use_device(gpu.device_of(x))
-        theirs = scratch(x, x.shape[0])
+        if algo._gossip is None:
+            theirs = scratch(x, x.shape[0])
+        else:  # the payloads of C(x - x^)
+            size = algo._gossip.compressor.payload_nbytes(x.shape[0], algo.flat.dtype)
+            theirs = scratch(x, size, RECEIVED, np.uint8)
         status, backoff = MPI.Status(), p2p.Backoff()
         while not self._stopping:
             if not comm.Iprobe(MPI.ANY_SOURCE, p2p.TAG, status):
@@ -506,14 +587,16 @@ class _Server:
             if status.Get_count(MPI.BYTE) == 0:
                 p2p.recv(comm, x[:0], peer)
                 with self._cond:
-                    self._ends += 1
+                    self._ends[peer] += 1
                     self._cond.notify_all()
                 continue
             p2p.operation(f"AD-PSGD averaging requested by rank {peer}")
             before = p2p.bytes_sent()
             with lock:
                 p2p.recv(comm, theirs, peer)
-                if algo.survives:
+                if algo._gossip is not None:
+                    self._gossip_with(theirs, peer)
+                elif algo.survives:
                     self._reply_recorded(x, theirs, peer)
                 else:
                     p2p.send(comm, x, peer)
@@ -532,17 +615,45 @@ class _Server:
             p2p.send(algo._comm, x, peer)
         except MPI.Exception as exc:
             failure = exc
-        world = algo._world[peer]
         _mean(algo._red, x, theirs, peer < algo.rank)
         xp = array_module(x)
-        delta = self.deltas.get(world)
-        if delta is None:
-            delta = self.deltas[world] = xp.empty_like(x)
-        xp.subtract(theirs, x, out=delta)
-        self.records[world] = (self.records.get(world, (0, False))[0] + 1, failure is None)
+        change = scratch(x, x.shape[0], 1)
+        xp.subtract(theirs, x, out=change)
+        self._record(algo._world[peer], change, failure is None)
         if failure is not None:
             raise failure
         xp.copyto(x, theirs)
+
+    def _gossip_with(self, received: Any, peer: int) -> None:
+        """The compressed gossip's exchange with ``peer``, whose payload is ``received``:
+        reply with this worker's payload, update the edge's copies, and step towards the
+        peer's copy where the reply went out (recorded as :meth:`_reply_recorded` records)."""
+        algo = self.algo
+        assert algo._gossip is not None
+        edge, (_, _, gamma, shrink) = algo.edges[peer], algo._gossip
+        sent = edge.encode(algo.flat.state, algo._work, shrink)
+        failure: MPI.Exception | None = None
+        try:
+            p2p.send(algo._comm, sent, peer)
+        except MPI.Exception as exc:
+            if not algo.survives:
+                raise
+            failure = exc
+        change = edge.mix(sent, received, algo._work, gamma)
+        if algo.survives:
+            self._record(algo._world[peer], as_flat(change).data, failure is None)
+        if failure is not None:
+            raise failure
+        algo.flat.state += change
+
+    def _record(self, world: int, change: Any, applied: bool) -> None:
+        """Count an averaging requested by the active worker of world rank ``world``, keep
+        the ``change`` it makes (or would make) to the model, and whether it was ``applied``."""
+        delta = self.deltas.get(world)
+        if delta is None:
+            delta = self.deltas[world] = array_module(change).empty_like(change)
+        delta[...] = change
+        self.records[world] = (self.records.get(world, (0, False))[0] + 1, applied)
 
     def take_counts(self) -> tuple[int, int]:
         """(averagings served, bytes sent) since the last call."""
@@ -551,17 +662,20 @@ class _Server:
             self._served = self._sent = 0
         return counts
 
-    def wait_for_ends(self, k: int) -> bool:
-        """Wait until ``k`` end markers have arrived since the last wait, and consume them;
-        False where the thread failed first (:attr:`failure`)."""
+    def wait_for_ends(self, peers: Sequence[int]) -> bool:
+        """Wait until an end marker has arrived from each of ``peers`` (the active neighbors)
+        since the last wait, and consume one of each; False where the thread failed first
+        (:attr:`failure`). Markers are counted per neighbor: one that settles twice with no
+        collective between (its second marker queued early) must not stand in for another
+        whose last averaging is still queued."""
         blocked = p2p.watch(self.algo._comm, self.algo.peers)
         p2p.operation("AD-PSGD settle (waiting for the active neighbors' end markers)")
         try:
             with self._cond:
-                self._cond.wait_for(lambda: self._ends >= k or self.failure is not None)
+                self._cond.wait_for(lambda: all(self._ends[p] for p in peers) or self.failure is not None)
                 if self.failure is not None:
                     return False
-                self._ends -= k
+                self._ends.subtract(peers)
                 return True
         finally:
             blocked.since = 0.0

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -123,6 +123,49 @@ def variance_factor(compressor: Compressor, length: int) -> float:
     if isinstance(compressor, QSGD):
         return min(compressor.bucket / compressor.levels**2, compressor.bucket**0.5 / compressor.levels)
     return 0.0
+
+
+class Gossip(NamedTuple):
+    """CHOCO-SGD's compressed gossip as :func:`gossip` resolves it."""
+
+    compressor: Compressor
+    layout: Layout
+    gamma: float
+    shrink: float
+
+
+def state_layout(flat: Any) -> Layout:
+    """The layout of a :class:`~algorithms.flat.FlatParams`'s state: its parameters, then
+    its float buffers (if any) as one flat entry."""
+    layout: list[tuple[int, Sequence[int]]] = list(flat.layout())
+    if flat.has_buffers:
+        layout.append((flat.size, (flat.state_data.shape[0] - flat.size,)))
+    return layout
+
+
+def gossip(spec: Any, gamma: Any, flat: Any, seed: int = 0) -> Gossip | None:
+    """CHOCO-SGD's compressor (for the state of ``flat``, seeded with ``seed``), the state's
+    layout, the consensus step size (:func:`consensus_step`) and the shrink factor
+    1 / (1 + omega) (:func:`variance_factor`), checked locally; None for no compression.
+
+    Raises:
+        ArgumentError: a bad spec, an aggregation in it (gossip sends the payloads
+            themselves), or a bad gamma, or a gamma without a compression.
+    """
+    layout = state_layout(flat)
+    resolved = resolve(spec, None, layout)
+    if resolved is None:
+        if gamma is not None:
+            raise ArgumentError("gamma is CHOCO-SGD's consensus step size: it needs a compression")
+        return None
+    if "@" in resolved[0]:
+        raise ArgumentError(
+            f"compression {resolved[0]!r}: CHOCO-SGD sends each neighbor the payload itself, "
+            "nothing is aggregated: leave the aggregation out"
+        )
+    compressor = compressor_for(resolved[0], layout, seed)
+    length = flat.state_data.shape[0]
+    return Gossip(compressor, layout, consensus_step(compressor, gamma), 1 / (1 + variance_factor(compressor, length)))
 
 
 def compressor_for(spec: str, layout: Layout, seed: int = 0) -> Compressor:

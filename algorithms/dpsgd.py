@@ -95,7 +95,7 @@ from collectives.transport.context import context
 
 from .background import spare_cores
 from .base import Algorithm
-from .compressed import compressor_for, consensus_step, host_copy, load_into, require, resolve, variance_factor
+from .compressed import gossip, host_copy, load_into, require
 from .error_feedback import zeros_like
 from .flat import TorchFlatParams
 from .topology import Topology, build
@@ -187,25 +187,13 @@ class DPSGD(Algorithm):
 
     def _configure_choco(self) -> None:
         """Resolve the compressor and gamma of CHOCO-SGD (locally)."""
-        layout = self.flat.layout()
-        if self.flat.has_buffers:  # the state's float buffers, sent as they come
-            layout.append((self.flat.size, (self.flat.state_data.shape[0] - self.flat.size,)))
-        resolved = resolve(self.compression_arg, None, layout)
-        if resolved is None:
-            if self.gamma_arg is not None:
-                raise ArgumentError("gamma is CHOCO-SGD's consensus step size: it needs a compression")
+        choco = gossip(self.compression_arg, self.gamma_arg, self.flat, self.seed)
+        if choco is None:
             return
         if self.overlap_arg:
             raise ArgumentError("compressed gossip (CHOCO-SGD) does not overlap: use overlap=False or None")
-        if "@" in resolved[0]:
-            raise ArgumentError(
-                f"compression {resolved[0]!r}: CHOCO-SGD sends each neighbor the payload itself, "
-                "nothing is aggregated: leave the aggregation out"
-            )
         self._may_overlap = False
-        self.compressor = compressor_for(resolved[0], layout, self.seed)
-        self.gamma = consensus_step(self.compressor, self.gamma_arg)
-        self._shrink = 1 / (1 + variance_factor(self.compressor, self.flat.state_data.shape[0]))
+        self.compressor, self.gamma, self._shrink = choco.compressor, choco.gamma, choco.shrink
 
     def _start(self) -> None:
         if self.compressor is not None:  # x^, s and the difference sent

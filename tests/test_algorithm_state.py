@@ -44,6 +44,7 @@ SYNC_CONFIGS = {
 #: Configurations whose updates depend on the workers' timing.
 ASYNC_CONFIGS = {
     "adpsgd": ("adpsgd", {}),
+    "adpsgd-choco-topk": ("adpsgd", {"compression": "topk:0.25"}),
     "grsgd": ("grsgd", {"max_lead": 2}),
     "prague-random": ("prague", {"policy": "random", "local_steps": 2}),
     "prague-smart": ("prague", {"policy": "smart"}),
@@ -248,6 +249,7 @@ MEMORIES = [
     ("lsgd", {"layout": 2, "collective": "ring", "compression": "sign", "error_feedback": True}, 0.0, "residual"),
     ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}, 0.0, "public"),
     ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}, 0.0, "mixed"),
+    ("adpsgd", {"compression": "topk:0.25"}, 0.0, "copies"),
 ]
 
 

@@ -127,6 +127,36 @@ def test_adpsgd_sides_bytes_and_pairwise_identity(size: int) -> None:
     assert all_ok(MPI.COMM_WORLD, ok), (r, algo.active, algo.peers, algo.bytes_sent, algo.averagings)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [3, 4])
+def test_adpsgd_settle_waits_for_every_active_neighbor(size: int) -> None:
+    """Rounds of steps and settle() with no collective between them, rank 2 slow: after each
+    settle() a passive worker has served every averaging its active neighbors started before
+    theirs (they tell it how many), although a fast active neighbor's next end markers come
+    early (counted from any neighbor, two of rank 0's stood in for rank 2's)."""
+    comm = comm_of_size(size)
+    r = comm.Get_rank()
+    x = np.zeros(DIM)
+    algo = algorithms.ADPSGD(x, SGD(x, lr=0.0), comm, broadcast_init=False)
+    started = dict.fromkeys(algo.peers, 0)
+    ok = True
+    for _ in range(3):
+        for _ in range(8):
+            time.sleep(0.003 if r == 2 else 0.0)
+            algo.step(np.zeros(DIM))
+            if algo.last_peer is not None:
+                started[algo.last_peer] += 1
+        algo.settle()
+        if algo.active:
+            for peer in algo.peers:
+                comm.send(started[peer], dest=peer, tag=7)
+        else:
+            served = sum(comm.recv(source=peer, tag=7) for peer in algo.peers)
+            ok &= algo.averagings >= served  # more: a fast neighbor's next averagings, served meanwhile
+    algo.close()
+    assert all_ok(MPI.COMM_WORLD, ok), (r, algo.averagings)
+
+
 def test_adpsgd_caller_never_reads_a_partial_averaging() -> None:
     """The caller reads its model (as a forward pass does) while a service thread averages
     it: with lr 0 every value read lies between the workers' initial values (a partial
