@@ -145,8 +145,6 @@ from .topology import Topology, build
 
 #: How an active worker chooses the neighbor of its next averaging.
 PARTNERS = ("random", "aware")
-#: What a worker's death does: end the job, or let the survivors go on (module docstring).
-ON_FAILURE = ("abort", "continue")
 
 
 class ADPSGD(Algorithm):
@@ -244,23 +242,11 @@ class ADPSGD(Algorithm):
             raise ArgumentError(f"unknown partner choice {self.partner!r}; valid: {', '.join(PARTNERS)}")
         if isinstance(self.cross_every, bool) or not isinstance(self.cross_every, int) or self.cross_every < 1:
             raise ArgumentError(f"cross_every must be an integer >= 1, got {self.cross_every!r}")
-        if self.on_failure not in ON_FAILURE:
-            raise ArgumentError(f"unknown on_failure {self.on_failure!r}; valid: {', '.join(ON_FAILURE)}")
+        self.survives = faults.survival(self.on_failure, "AD-PSGD", self.rank)
         self._gossip = gossip(self.compression_arg, self.gamma_arg, self.flat, self.seed)
         if self._gossip is not None:
             self.compressor, self.gamma = self._gossip.compressor, self._gossip.gamma
         threads.require_multiple("AD-PSGD averages on service threads")
-        if self.on_failure == "continue":
-            why = faults.unavailable()
-            self.survives = why is None
-            if why is not None and self.rank == 0:
-                faults.warn(
-                    f"AD-PSGD on_failure='continue': ULFM is not available ({why}); "
-                    "a worker that dies ends the job (the fail-fast abort stays)"
-                )
-            hazard = faults.finalize_hazard()
-            if hazard is not None and self.rank == 0:
-                faults.warn(f"AD-PSGD on_failure='continue': {hazard}")
         self.topology, self.active, self.peers = topo, sides[self.rank] == 0, topo.neighbors(self.rank)
         graph = (topo.name, crc32(topo.W.tobytes()))
         compression = (self.compressor and self.compressor.spec, self.gamma)

@@ -97,9 +97,8 @@ from mpi4py import MPI
 import algorithms
 import collectives
 from algorithms import events
-from algorithms.adpsgd import ON_FAILURE
 from algorithms.topology import TOPOLOGIES, WEIGHTS, Topology
-from collectives.transport import p2p
+from collectives.transport import faults, p2p
 
 from . import __version__, checkpoint, data, metrics, models, pacing, peers, plotting, stragglers, timeline
 from .models.torch_model import TorchModel
@@ -381,7 +380,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--on-failure",
         default=defaults.on_failure,
-        choices=ON_FAILURE,
+        choices=faults.ON_FAILURE,
         help="what a worker's death does: abort ends the job; continue lets the survivors train on, with "
         f"the dead worker's data dealt among them (for {', '.join(_surviving())}, where the MPI library has "
         f"ULFM: docs/failures.rst; default {defaults.on_failure})",
