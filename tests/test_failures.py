@@ -325,15 +325,20 @@ def ulfm_job(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProces
 SURVIVORS = re.compile(r"^failure\.py: survivors (\S+) ([\d,]+) (\d+)$", re.M)
 
 
+def needs_ulfm() -> None:
+    """Skip the test where the MPI library has no ULFM (MPICH's wheel)."""
+    why = faults.unsupported()
+    if why is not None:
+        pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
+
+
 @pytest.mark.parametrize("role, victim", [("active", 0), ("passive", 1)])
 def test_adpsgd_survives_a_dead_worker(role: str, victim: int, tmp_path: Path) -> None:
     """AD-PSGD with on_failure="continue" under ULFM, 4 workers, learning rate 0: worker 0
     (active, between two averagings) or 1 (passive, holding its lock while requests wait)
     is killed; the 3 survivors take all their steps, and their sum is the initial sum less
     the dead worker's model (the averagings in flight abandoned or completed on both ends)."""
-    why = faults.unsupported()
-    if why is not None:
-        pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
+    needs_ulfm()
 
     def go() -> tuple[subprocess.CompletedProcess, float]:
         # Open MPI may drop what a killed rank wrote last: the kill's time is its model file's.
@@ -367,9 +372,7 @@ def test_adpsgd_survives_deaths_at_any_point_of_an_averaging(seed: int, tmp_path
     others average at random moments; after each recovery the survivors' sum is what they
     held less the dead worker's model (as its partner counts it: averaged where the
     partner applied the average)."""
-    why = faults.unsupported()
-    if why is not None:
-        pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
+    needs_ulfm()
     proc = on_rank0_quietly(ulfm_job, ["trials", str(seed)], {"FAILURE_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     trials = TRIAL.findall(proc.stdout)
@@ -391,9 +394,7 @@ def train_survives(algorithm: str, victim: int, tmp_path: Path) -> subprocess.Co
     """``mpidl train --algorithm ALGORITHM --on-failure continue`` on 4 workers under ULFM,
     worker ``victim`` killed in its 10th step: the checks of
     :func:`test_train_survives_a_dead_worker`; the finished job."""
-    why = faults.unsupported()
-    if why is not None:
-        pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
+    needs_ulfm()
     out = tmp_path / "run.json"
     argv = ["--algorithm", algorithm, "--on-failure", "continue", "--backend", "numpy", "--hidden", "16"]
     argv += ["--epochs", "3", "--no-progress", "--json", str(out)]
@@ -447,9 +448,7 @@ def test_prague_survives_deaths_before_during_and_after_a_group_average(seed: in
     of steps; after each recovery the survivors' sum is what they held less the dead worker's
     model (its model before the average where the average failed), and the job leaves no
     process behind."""
-    why = faults.unsupported()
-    if why is not None:
-        pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
+    needs_ulfm()
     proc = on_rank0_quietly(ulfm_job, ["prague", str(seed)], {"FAILURE_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     trials = PRAGUE_TRIAL.findall(proc.stdout)
