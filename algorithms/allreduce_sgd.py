@@ -162,7 +162,7 @@ class AllReduceSGD(Algorithm):
         compression: None (or "none"), or a compressor spec "NAME[:PARAM][@AGGREGATION]" of
             :data:`collectives.COMPRESSORS` for every bucket (module docstring).
         error_feedback: keep each worker's compression residual for its next
-            gradient (None: the compressor's default, on for the biased ones).
+            gradient (None: the compressor's default, on for top-k and PowerSGD).
         local_momentum: each worker applies the SGD optimizer's momentum and
             weight decay to its own gradient before compressing it, and the
             optimizer steps without them

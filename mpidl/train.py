@@ -236,14 +236,14 @@ ALGORITHM_OPTIONS = (
     AlgorithmOption(
         "--error-feedback",
         "error_feedback",
-        "carry what compression dropped into the next step (default: for sign, topk and powersgd)",
+        "carry what compression dropped into the next step (default: for topk and powersgd)",
         switch=True,
     ),
     AlgorithmOption(
         "--local-momentum",
         "local_momentum",
-        "apply the optimizer's momentum on each worker before compressing (default: for sign and topk with "
-        "error feedback)",
+        "apply the optimizer's momentum on each worker before compressing (default: for sign and topk, "
+        "where the optimizer has momentum)",
         switch=True,
     ),
     AlgorithmOption(
