@@ -112,17 +112,17 @@ class Session:
     def _agree(self) -> None:
         """Per call (per batch when rehearsed) the least of the ranks' times; per
         candidate the median of its calls (its batch's time over its calls)."""
-        per: dict[str, list[float]] = {}
-        for name, t in zip(self.order, self.times):
-            per.setdefault(name, []).append(t)
-        names = list(per)
-        times = np.array([sum(per[name]) for name in names] if self.deterministic else self.times)
+        names = list(dict.fromkeys(self.order))
+        times = np.array(self.times)
+        if self.deterministic:  # the order holds each candidate's calls in a row
+            times = times.reshape(len(names), -1).sum(axis=1)
         with waiting(self.comm, "Allreduce of the online tuning's timings", "auto's online tuning"):
             self.comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MIN)
         if self.deterministic:
-            self.result = {name: t / len(per[name]) for name, t in zip(names, times.tolist())}
+            calls = len(self.order) // len(names)
+            self.result = {name: t / calls for name, t in zip(names, times.tolist())}
         else:
-            per = {}
+            per: dict[str, list[float]] = {}
             for name, t in zip(self.order, times.tolist()):
                 per.setdefault(name, []).append(t)
             self.result = {name: statistics.median(ts) for name, ts in per.items()}
