@@ -603,9 +603,7 @@ class _Server:
             failure = exc
         _mean(algo._red, x, theirs, peer < algo.rank)
         xp = array_module(x)
-        change = scratch(x, x.shape[0], 1)
-        xp.subtract(theirs, x, out=change)
-        self._record(algo._world[peer], change, failure is None)
+        xp.subtract(theirs, x, out=self._record(algo._world[peer], x, failure is None))
         if failure is not None:
             raise failure
         xp.copyto(x, theirs)
@@ -627,19 +625,21 @@ class _Server:
             failure = exc
         change = edge.mix(sent, received, algo._work, gamma)
         if algo.survives:
-            self._record(algo._world[peer], as_flat(change).data, failure is None)
+            change_data = as_flat(change).data
+            self._record(algo._world[peer], change_data, failure is None)[...] = change_data
         if failure is not None:
             raise failure
         algo.flat.state += change
 
-    def _record(self, world: int, change: Any, applied: bool) -> None:
-        """Count an averaging requested by the active worker of world rank ``world``, keep
-        the ``change`` it makes (or would make) to the model, and whether it was ``applied``."""
+    def _record(self, world: int, like: Any, applied: bool) -> Any:
+        """Count an averaging requested by the active worker of world rank ``world``, and
+        whether it was ``applied``; return the buffer (like ``like``) that keeps the change
+        it makes (or would make) to the model, for the caller to fill."""
         delta = self.deltas.get(world)
         if delta is None:
-            delta = self.deltas[world] = array_module(change).empty_like(change)
-        delta[...] = change
+            delta = self.deltas[world] = array_module(like).empty_like(like)
         self.records[world] = (self.records.get(world, (0, False))[0] + 1, applied)
+        return delta
 
     def take_counts(self) -> tuple[int, int]:
         """(averagings served, bytes sent) since the last call."""
