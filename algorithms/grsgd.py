@@ -284,11 +284,7 @@ class GRSGD(Algorithm):
         for edge in self._edges.values():
             faults.drain(edge.pending)
             edge.pending = []
-        p2p.operation("GR-SGD recovery (agreeing with the survivors and shrinking the communicator)")
-        with p2p.waiting(old):
-            if not agreed:
-                faults.agree(old, False)
-            survivors, lost = faults.shrink(old)
+        survivors, lost = faults.recover(old, "GR-SGD", agreed)
         self._relink(survivors)
         old.Free()
         self.lost += lost

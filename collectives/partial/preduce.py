@@ -491,11 +491,7 @@ class PReduce:
         if self._stalled is not None:
             watchdog.remove_reporter(self._stalled)
         self._thread = self._service = self._stalled = None
-        p2p.operation("P-Reduce recovery (agreeing with the survivors and shrinking the communicator)")
-        with p2p.waiting(self._ctl):
-            if not agreed:
-                faults.agree(self._ctl, False)
-            survivors, lost = faults.shrink(self._ctl)
+        survivors, lost = faults.recover(self._ctl, "P-Reduce", agreed)
         self._reconcile(survivors)
         service = self._world[self._service_rank]
         for comm in old:

@@ -237,6 +237,17 @@ def shrink(comm: MPI.Comm) -> tuple[MPI.Intracomm, list[int]]:
     return survivors, lost
 
 
+def recover(comm: MPI.Comm, who: str, agreed: bool = False) -> tuple[MPI.Intracomm, list[int]]:
+    """Collective over the survivors of ``comm``, revoked: agree that a peer failed (unless
+    the caller did, ``agreed``) and :func:`shrink`; the stall inspector names the wait as
+    ``who``'s (an algorithm's name) recovery."""
+    p2p.operation(f"{who} recovery (agreeing with the survivors and shrinking the communicator)")
+    with p2p.waiting(comm):
+        if not agreed:
+            agree(comm, False)
+        return shrink(comm)
+
+
 def warn(message: str) -> None:
     """A warning on the ``collectives.faults`` logger (to stderr in the same form where
     logging is not configured)."""
