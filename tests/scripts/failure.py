@@ -151,6 +151,31 @@ def deaths_in_turn(
     algo.close()
 
 
+def dying_models(name: str, salt: int, **options: Any) -> tuple[Any, np.ndarray, Any, Callable[..., None]]:
+    """For ``prague SEED`` and ``grsgd SEED`` (SEED: ``sys.argv[2]``): the algorithm ``name`` with
+    ``options`` and on_failure="continue" at learning rate 0 on a random float64 model of its
+    own on each worker (a stall dumps the threads' stacks after 40 s), that model, the
+    generator of the run's plan (seeded by ``salt`` and SEED), and ``die(trial, point, model)``,
+    which leaves in $FAILURE_DIR/NAME-TRIAL.npy the model the survivors must count as this
+    worker's, and kills it."""
+    import algorithms
+
+    seed = int(sys.argv[2])
+    faulthandler.dump_traceback_later(40)
+    x = np.random.default_rng([7, seed, rank]).standard_normal(100)
+    sgd = algorithms.SGD(x, lr=0.0)
+    algo = algorithms.create(name, x, sgd, comm, broadcast_init=False, on_failure="continue", **options)
+    folder = os.environ["FAILURE_DIR"]
+
+    def die(trial: int, point: str, model: np.ndarray) -> None:
+        np.save(os.path.join(folder, f"{name}-{trial}.npy"), model)
+        print(f"failure.py: rank {rank} dies {point}", file=sys.stderr, flush=True)
+        announce()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return algo, x, np.random.default_rng([salt, seed]), die
+
+
 if mode == "train":
     from mpidl import checkpoint, cli, train
 
@@ -286,25 +311,11 @@ if mode == "trials":
     sys.exit(0)
 
 if mode == "prague":
-    import algorithms
     from collectives.kernels import ring
     from collectives.transport import p2p
 
     seed = int(sys.argv[2])
-    faulthandler.dump_traceback_later(40)
-    x = np.random.default_rng([7, seed, rank]).standard_normal(100)
-    algo = algorithms.create(
-        "prague", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, policy="smart", on_failure="continue"
-    )
-    plan = np.random.default_rng([19, seed])
-    folder = os.environ["FAILURE_DIR"]
-
-    def die(trial: int, point: str, model: np.ndarray) -> None:
-        """Leave this worker's model as the survivors must count it, and die."""
-        np.save(os.path.join(folder, f"prague-{trial}.npy"), model)
-        print(f"failure.py: rank {rank} dies {point}", file=sys.stderr, flush=True)
-        announce()
-        os.kill(os.getpid(), signal.SIGKILL)
+    algo, x, plan, die = dying_models("prague", 19, policy="smart")
 
     def arm(trial: int, who: str, when: str) -> None:
         """Make this worker (``who``: the group generator's host or another) die at the point
@@ -345,22 +356,10 @@ if mode == "prague":
     sys.exit(0)
 
 if mode == "grsgd":
-    import algorithms
     from collectives.transport import p2p
 
     seed = int(sys.argv[2])
-    faulthandler.dump_traceback_later(40)
-    x = np.random.default_rng([7, seed, rank]).standard_normal(100)
-    algo = algorithms.create("grsgd", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, on_failure="continue")
-    plan = np.random.default_rng([23, seed])
-    folder = os.environ["FAILURE_DIR"]
-
-    def die(trial: int, point: str, model: np.ndarray) -> None:
-        """Leave this worker's model as the survivors must count it, and die."""
-        np.save(os.path.join(folder, f"grsgd-{trial}.npy"), model)
-        print(f"failure.py: rank {rank} dies {point}", file=sys.stderr, flush=True)
-        announce()
-        os.kill(os.getpid(), signal.SIGKILL)
+    algo, x, plan, die = dying_models("grsgd", 23)
 
     def arm(trial: int, ring: str, when: str) -> None:
         """Make this worker die at the point ``when`` of the next exchange it starts."""
