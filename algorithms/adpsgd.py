@@ -407,11 +407,7 @@ class ADPSGD(Algorithm):
         old = self._comm
         faults.revoke(old)  # where this worker saw it first on its own thread: the others see it too
         self._stop_threads()
-        p2p.operation("AD-PSGD recovery (agreeing with the survivors and shrinking the communicator)")
-        with p2p.waiting(old):
-            if not agreed:
-                faults.agree(old, False)
-            survivors, lost = faults.shrink(old)
+        survivors, lost = faults.recover(old, "AD-PSGD", agreed)
         self._reconcile(survivors)
         old.Free()
         self.lost += lost

@@ -67,13 +67,17 @@ the algorithm (a collective the other ranks are not in): ``mpidl.init()``'s
 hook prints it first and ends the job (``docs/failures.rst``).
 
 A worker that dies (``--on-failure continue``, for the algorithms that take
-``on_failure``: AD-PSGD, Prague; where the MPI library has ULFM) does not end the job
+``on_failure``: AD-PSGD, GR-SGD, Prague; where the MPI library has ULFM) does not end the job
 when it dies while the workers train: the algorithm's survivors recover
 (:mod:`collectives.transport.faults`), settle, and deal the training set anew
 among themselves (each its shard of the survivors' :func:`mpidl.data.shard`,
 so the dead worker's samples are trained on); the epoch's step budget is
 then the survivors' (n' x the steps of an n'-worker epoch), counting the
-steps they took in it so far and not the dead worker's. Rank 0 of the
+steps they took in it so far and not the dead worker's. GR-SGD, whose
+workers take equal numbers of steps, has no budget: its survivors first
+take the epoch's remaining steps on their old shards (each as many as
+before the death), settle, and then each takes the steps an n'-worker epoch
+has beyond those, and as many in every later epoch. Rank 0 of the
 survivors prints a line, reports the epochs and writes the outputs; the
 JSON's ``failures`` says in which epoch which workers died. A death during
 the evaluation or a checkpoint still ends the job.
@@ -774,6 +778,8 @@ class _Run:
         self.cpu = stragglers.CpuMeter()
         self.samples, self.sweep = len(dataset.y_train), steps
         self.indices = data.shard(self.samples, algo.rank, algo.size, config.seed)
+        self.dealt = algo.comm  # the workers among whom the training set is dealt
+        self.survives = bool(getattr(algo, "survives", False))
         self.failures: list[dict[str, Any]] = []
         self.x_train, self.y_train = net.array(dataset.x_train), net.array(dataset.y_train)
         self.x_test, self.y_test = net.array(dataset.x_test), net.array(dataset.y_test)
@@ -850,22 +856,36 @@ class _Run:
 
     def _synchronous_steps(self, epoch: int, bar: Any, t0: float) -> tuple[Any, int, float]:
         """The rest of ``epoch``'s steps, checkpointing when due; (loss sum, steps, the
-        time the epoch's current stretch of training started)."""
-        batches = data.epoch_batches(self.indices, self.steps, self.config.seed, epoch, self.algo.rank)
+        time the epoch's current stretch of training started). Where a worker died, the
+        survivors settle, deal the training set among themselves and take the steps their
+        epoch has beyond those taken (module docstring)."""
+        sweep = self.sweep  # the steps of this epoch: an epoch of as many workers as there are
+        batches = data.epoch_batches(self.indices, sweep, self.config.seed, epoch, self.algo.rank)
         order = self.net.array(np.concatenate(batches))
         ends = np.cumsum([len(b) for b in batches]).tolist()
         loss_sum: Any = self.loss_sum
-        first = self.step - (epoch - 1) * self.steps
-        for k in range(first, self.steps):
+        first = 0 if self.failures else self.step - (epoch - 1) * self.steps  # a resumed run has lost none
+        for k in range(first, sweep):
             loss_sum = loss_sum + self._train_step(order[(ends[k - 1] if k else 0) : ends[k]])
             bar.update()
-            if k < self.steps - 1 and self._due():
+            if k < sweep - 1 and self._due():
                 self.net.synchronize()
                 self.epoch_s += time.perf_counter() - t0
                 self.loss_sum = float(loss_sum)
                 self._save()
                 t0 = time.perf_counter()
-        return loss_sum, self.steps, t0
+        taken = sweep
+        while self.survives:
+            with events.span("settle", events.COMMUNICATION, epoch=epoch):
+                self.algo.settle()  # every survivor has taken as many steps: they recover here or agree
+            if not self._stale():
+                break
+            self._regroup(epoch, taken)
+            stream = data.batch_stream(self.indices, self.sweep, self.config.seed, epoch, self.algo.rank)
+            for _ in range(self.sweep - taken):
+                loss_sum = loss_sum + self._train_step(self.net.array(next(stream)))
+            taken = self.sweep
+        return loss_sum, taken, t0
 
     def _budgeted_steps(self, epoch: int) -> tuple[Any, int]:
         """Steps until the epoch's budget is spent; (loss sum, steps taken by this worker).
@@ -894,21 +914,24 @@ class _Run:
 
     def _stale(self) -> bool:
         """Whether the algorithm has recovered from a worker's death since the budget was made."""
-        return self.budget is not None and self.budget.comm is not self.algo.comm
+        return self.dealt is not self.algo.comm
 
     def _regroup(self, epoch: int, taken: int) -> None:
         """After a worker died (collective over the survivors, settled): abandon the step
         budget, deal the training set among the survivors, and make their budget, which
-        counts the ``taken`` steps of each in ``epoch`` (module docstring)."""
+        counts the ``taken`` steps of each in ``epoch`` (module docstring; an algorithm
+        without a budget takes the steps of its epoch, :attr:`sweep`, beyond those)."""
         algo, old = self.algo, self.budget
-        assert old is not None  # uneven steps
-        old.abandon()
+        if old is not None:
+            old.abandon()
         lost = [r for r in getattr(algo, "lost", []) if all(r not in f["lost"] for f in self.failures)]
         self.sweep = data.steps_per_epoch(self.samples, algo.size, self.config.batch_size)
         self.indices = data.shard(self.samples, algo.rank, algo.size, self.config.seed)
+        self.dealt = algo.comm
         with p2p.waiting(algo.comm):
             counted, shards = algo.comm.allreduce(taken), algo.comm.allgather(len(self.indices))
-        self.budget = pacing.StepBudget(algo.comm, algo.size * self.sweep, counted, survives=True)
+        if old is not None:
+            self.budget = pacing.StepBudget(algo.comm, algo.size * self.sweep, counted, survives=True)
         self.failures.append({"epoch": epoch, "lost": lost, "workers": algo.size, "samples_per_worker": shards})
         if algo.rank == 0:
             print(

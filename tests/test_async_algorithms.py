@@ -315,6 +315,7 @@ def test_half_precision_torch_models(name: str, dtype: str) -> None:
         ("prague", {"policy": "fastest"}, "unknown policy 'fastest'"),
         ("adpsgd", {"topology": topology.ring(9)}, "has 9 ranks"),
         ("adpsgd", {"on_failure": "retry"}, "unknown on_failure 'retry'; valid: abort, continue"),
+        ("grsgd", {"on_failure": "retry"}, "unknown on_failure 'retry'; valid: abort, continue"),
     ],
 )
 def test_bad_options_raise_on_every_rank(name: str, options: dict, match: str) -> None:

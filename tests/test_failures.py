@@ -114,7 +114,8 @@ def test_exception_on_one_rank_ends_the_job() -> None:
         (["train", "--epochs", "0"], "argument --epochs: expected a positive int, got '0'"),
         (
             ["train", "--algorithm", "allreduce", "--on-failure", "continue"],
-            "--on-failure continue: --algorithm allreduce cannot go on without a dead worker (only adpsgd, prague can)",
+            "--on-failure continue: --algorithm allreduce cannot go on without a dead worker "
+            "(only adpsgd, grsgd, prague can)",
         ),
     ],
 )
@@ -390,6 +391,16 @@ def test_train_survives_a_dead_worker(tmp_path: Path) -> None:
     train_survives("adpsgd", 1, tmp_path)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn")
+def test_grsgd_train_survives_a_dead_worker(tmp_path: Path) -> None:
+    """``mpidl train --algorithm grsgd --on-failure continue``: worker 1 of 4 is killed in its 10th
+    step; the survivors' ring re-links, they finish the epoch's steps with their own data
+    (every survivor as many, GR-SGD's rule), then deal the training set among themselves and
+    finish the epoch as :func:`test_train_survives_a_dead_worker` asks."""
+    proc = train_survives("grsgd", 1, tmp_path)
+    assert "mpidl: rank 0: GR-SGD: worker(s) 1 of MPI_COMM_WORLD failed; 3 continue on the ring" in proc.stderr
+
+
 def train_survives(algorithm: str, victim: int, tmp_path: Path) -> subprocess.CompletedProcess:
     """``mpidl train --algorithm ALGORITHM --on-failure continue`` on 4 workers under ULFM,
     worker ``victim`` killed in its 10th step: the checks of
@@ -417,11 +428,13 @@ def train_survives(algorithm: str, victim: int, tmp_path: Path) -> subprocess.Co
     return proc
 
 
-#: What the survivors print after each death of ``failure.py prague``: seed and trial, whose
-#: death (the group generator's host or another worker's), its point, the world rank lost,
-#: the largest difference of their sum.
-PRAGUE_TRIAL = re.compile(
-    r"^failure\.py: prague (\d+)\.(\d) (service|worker) (before|during|after) lost (\d+) error (\S+)$", re.M
+#: What the survivors print after each death of ``failure.py prague`` or ``failure.py grsgd``:
+#: the mode, seed and trial, two words naming the death (Prague: the group generator's host or
+#: another worker's; GR-SGD: the ring's size), its point, the world rank lost, the largest
+#: difference of their sum.
+DEATH = re.compile(
+    r"^failure\.py: (prague|grsgd) (\d+)\.(\d) (service|worker|ring\d) (before|during|after) lost (\d+) error (\S+)$",
+    re.M,
 )
 
 
@@ -439,24 +452,37 @@ def job_processes(tmp_path: Path) -> list[int]:
     return found
 
 
+#: What the survivors log after each recovery of ``failure.py prague`` (a new group generator,
+#: restarted at least once where its host died) and ``failure.py grsgd``.
+RECOVERED = {
+    "prague": "with a new group generator, restarted on rank",
+    "grsgd": "continue on the ring of the survivors",
+}
+
+
+@pytest.mark.parametrize("mode", ["prague", "grsgd"])
 @pytest.mark.parametrize("seed", range(2))
-def test_prague_survives_deaths_before_during_and_after_a_group_average(seed: int, tmp_path: Path) -> None:
-    """Prague (smart pairs) with on_failure="continue" under ULFM, 4 workers, learning rate 0:
-    three workers die one after the other (the last survivor averages alone), before, during
-    (half of the ring all-reduce sent) or after a group's average, each point once as the group
-    generator's host and once as another worker over the 2 seeds, armed after a random number
-    of steps; after each recovery the survivors' sum is what they held less the dead worker's
-    model (its model before the average where the average failed), and the job leaves no
-    process behind."""
+def test_survives_deaths_before_during_and_after_an_average(mode: str, seed: int, tmp_path: Path) -> None:
+    """Prague (smart pairs) or GR-SGD with on_failure="continue" under ULFM, 4 workers, learning
+    rate 0: three workers die one after the other (the last survivor steps alone), before,
+    during or after an average, each point once over the 2 seeds' runs' three deaths, armed
+    after a random number of steps. Prague: during is half of the ring all-reduce sent, and
+    each point comes once as the group generator's host and once as another worker. GR-SGD:
+    an exchange with a ring neighbor, during is both snapshots exchanged and the dying end's
+    increment not applied; the rings of 4, 3 and 2 re-link (3 leave 2 neighbors, 2 leave one
+    worker alone), and the exchanges between survivors that the failure cut in half are
+    taken back. After each recovery the survivors' sum is what they held less the dead
+    worker's model (the model the survivors count as its own: before a failed average, with
+    its half of an exchange both ends saw complete), and the job leaves no process behind."""
     needs_ulfm()
-    proc = on_rank0_quietly(ulfm_job, ["prague", str(seed)], {"FAILURE_DIR": str(tmp_path)})
+    proc = on_rank0_quietly(ulfm_job, [mode, str(seed)], {"FAILURE_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    trials = PRAGUE_TRIAL.findall(proc.stdout)
-    assert [(int(s), int(t)) for s, t, *_ in trials] == [(seed, 0), (seed, 1), (seed, 2)], proc.stdout[-3000:]
+    trials = [trial for trial in DEATH.findall(proc.stdout) if trial[0] == mode]
+    assert [(int(s), int(t)) for _, s, t, *_ in trials] == [(seed, 0), (seed, 1), (seed, 2)], proc.stdout[-3000:]
     assert all(float(error) < 1e-12 for *_, error in trials), proc.stdout[-3000:]
     assert len({lost for *_, lost, _ in trials}) == 3, proc.stdout[-3000:]
-    assert {when for _, _, _, when, *_ in trials} == {"before", "during", "after"}, trials
-    assert "with a new group generator, restarted on rank" in proc.stderr, proc.stderr[-3000:]
+    assert {when for *_, when, _, _ in trials} == {"before", "during", "after"}, trials
+    assert RECOVERED[mode] in proc.stderr, proc.stderr[-3000:]
     assert on_rank0_quietly(job_processes, tmp_path) == []
 
 
@@ -489,12 +515,14 @@ def test_ulfm_finalize_hazard_is_named_until_the_launcher_skips_the_fence(monkey
 
 
 @pytest.mark.parametrize(
-    "argv, who", [(["survive", "active"], "AD-PSGD"), (["prague", "0"], "P-Reduce")], ids=["adpsgd", "prague"]
+    "argv, who",
+    [(["survive", "active"], "AD-PSGD"), (["prague", "0"], "P-Reduce"), (["grsgd", "0"], "GR-SGD")],
+    ids=["adpsgd", "prague", "grsgd"],
 )
 def test_without_ulfm_a_dead_worker_still_ends_the_job(argv: list[str], who: str, tmp_path: Path) -> None:
-    """on_failure="continue" where the MPI library has no ULFM (MPICH), AD-PSGD or Prague (whose
-    P-Reduce warns): a warning says so, and the kill ends the job, within seconds, as it does
-    by default."""
+    """on_failure="continue" where the MPI library has no ULFM (MPICH), AD-PSGD, Prague (whose
+    P-Reduce warns) or GR-SGD: a warning says so, and the kill ends the job, within seconds, as
+    it does by default."""
     why = faults.unsupported()
     if why is None:
         pytest.skip("this MPI library has ULFM: the tests that kill workers run instead")

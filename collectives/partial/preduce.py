@@ -120,8 +120,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TextIO, Union
 
@@ -473,25 +472,11 @@ class PReduce:
                     return
             self._recover(agreed=True)
 
-    @contextmanager
-    def _failing(self) -> Iterator[None]:
-        """Where a worker's death is survived: a block whose MPI error of a dead peer (or of
-        a revoked communicator) revokes both private communicators, so that every survivor
-        sees it, and raises :class:`~collectives.transport.faults.PeerFailure`. Its waits
-        poll (:func:`~collectives.transport.p2p.poll_waits`): Open MPI (5.0) ends every
-        blocked wait of a process with an error when it learns of a failure or a
-        revocation, on whatever communicator, so a survivor that heard of a death late
-        would see one on the survivors' new communicators (a recovery that lost no one
-        was seen once); a test of a request is not ended so."""
-        if not self.survives:
-            yield
-            return
-        blocking = p2p.poll_waits(True)
-        try:
-            with faults.revoking((self._ctl, self._data)):
-                yield
-        finally:
-            p2p.poll_waits(blocking)
+    def _failing(self) -> AbstractContextManager:
+        """Where a worker's death is survived: a block whose failed transfers revoke both
+        private communicators and raise :class:`~collectives.transport.faults.PeerFailure`,
+        its waits polling (:func:`~collectives.transport.faults.failing`)."""
+        return faults.failing((self._ctl, self._data), self.survives)
 
     def _recover(self, agreed: bool = False) -> None:
         """After a peer failed (collective over the survivors; module docstring): stop the
@@ -506,11 +491,7 @@ class PReduce:
         if self._stalled is not None:
             watchdog.remove_reporter(self._stalled)
         self._thread = self._service = self._stalled = None
-        p2p.operation("P-Reduce recovery (agreeing with the survivors and shrinking the communicator)")
-        with p2p.waiting(self._ctl):
-            if not agreed:
-                faults.agree(self._ctl, False)
-            survivors, lost = faults.shrink(self._ctl)
+        survivors, lost = faults.recover(self._ctl, "P-Reduce", agreed)
         self._reconcile(survivors)
         service = self._world[self._service_rank]
         for comm in old:

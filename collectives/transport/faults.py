@@ -50,7 +50,7 @@ from typing import Any, TypeVar, cast
 from mpi4py import MPI
 
 from ..errors import ArgumentError, CollectiveError
-from . import context, logs
+from . import context, logs, p2p
 
 log = logging.getLogger("collectives.faults")
 C = TypeVar("C", bound=MPI.Comm)
@@ -190,6 +190,27 @@ def revoking(comm: MPI.Comm | Sequence[MPI.Comm], pending: Iterable[Any] = ()) -
         raise PeerFailure(f"a peer failed or the communicator was revoked: {exc.Get_error_string()}") from exc
 
 
+@contextmanager
+def failing(comm: MPI.Comm | Sequence[MPI.Comm], survives: bool = True) -> Iterator[None]:
+    """Where a worker's death is survived (``survives``): a block of :func:`revoking` (an MPI
+    error of a dead peer, or of a revoked communicator, revokes ``comm`` or each of a
+    sequence of communicators, so that every survivor sees it, and raises
+    :class:`PeerFailure`) whose waits poll (:func:`~collectives.transport.p2p.poll_waits`):
+    Open MPI (5.0) ends every blocked wait of a process with an error when it learns of a
+    failure or a revocation, on whatever communicator, so a survivor that heard of a death
+    late would see one on the survivors' new communicators (a recovery that lost no one
+    was seen once); a test of a request is not ended so. Elsewhere the block runs as it is."""
+    if not survives:
+        yield
+        return
+    blocking = p2p.poll_waits(True)
+    try:
+        with revoking(comm):
+            yield
+    finally:
+        p2p.poll_waits(blocking)
+
+
 def agree(comm: MPI.Comm, flag: bool) -> bool:
     """Collective over the survivors of ``comm`` (revoked or not): True on every rank
     if every rank passed a true ``flag`` and no failure was reported; else False on
@@ -214,6 +235,17 @@ def shrink(comm: MPI.Comm) -> tuple[MPI.Intracomm, list[int]]:
     lost = [r for r in before if r not in after]
     context.abandon(lost)
     return survivors, lost
+
+
+def recover(comm: MPI.Comm, who: str, agreed: bool = False) -> tuple[MPI.Intracomm, list[int]]:
+    """Collective over the survivors of ``comm``, revoked: agree that a peer failed (unless
+    the caller did, ``agreed``) and :func:`shrink`; the stall inspector names the wait as
+    ``who``'s (an algorithm's name) recovery."""
+    p2p.operation(f"{who} recovery (agreeing with the survivors and shrinking the communicator)")
+    with p2p.waiting(comm):
+        if not agreed:
+            agree(comm, False)
+        return shrink(comm)
 
 
 def warn(message: str) -> None:

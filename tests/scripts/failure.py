@@ -43,6 +43,18 @@ Modes:
            before a failed average). After each recovery the survivors settle and print
            ``failure.py: prague SEED.K WHO WHEN lost R error E``: E the largest
            difference of their sum from what they held less the dead worker's model.
+  grsgd SEED  GR-SGD with on_failure="continue" on 4 ranks, learning rate 0, random
+           float64 models: three workers die one after the other (rings of 4, 3 and 2
+           workers re-linked; the last survivor steps alone), each at the point of an
+           exchange with a neighbor that GRSGD_PLANS[SEED] gives it, its other exchanges
+           first completed on both ends (0.2 s for the neighbors to apply theirs):
+           ``before`` it starts the exchange (its neighbor may have started its own
+           half), ``during`` it (both snapshots exchanged, its increment not applied) or
+           ``after`` it (applied on both ends, 0.2 s later); armed after a number of steps
+           drawn from SEED; each writes into $FAILURE_DIR the model the survivors must
+           count as its own. After each recovery the survivors settle and print
+           ``failure.py: grsgd SEED.K ringN WHEN lost R error E``, N the ring's size
+           before the death.
   train    ``mpidl train ARGS``, where rank 1 kills itself (SIGKILL) when the checkpoint
            after step $FAILURE_KILL_STEP is due, before writing it; with
            $FAILURE_SAVE_RESTORED=DIR, a resumed run first checkpoints the state it
@@ -91,6 +103,9 @@ PRAGUE_PLANS = [
     [("service", "before"), ("worker", "during"), ("service", "after")],
 ]
 
+#: The three deaths of each ``grsgd`` run: when, in an exchange.
+GRSGD_PLANS = [["before", "during", "after"], ["after", "before", "during"]]
+
 
 def announce() -> None:
     print(f"failure.py: rank {rank} {mode} at {time.time():.3f}", file=sys.stderr, flush=True)
@@ -134,6 +149,31 @@ def deaths_in_turn(
             if trial < trials:
                 victim, first, second, arm_at = draw(trial)
     algo.close()
+
+
+def dying_models(name: str, salt: int, **options: Any) -> tuple[Any, np.ndarray, Any, Callable[..., None]]:
+    """For ``prague SEED`` and ``grsgd SEED`` (SEED: ``sys.argv[2]``): the algorithm ``name`` with
+    ``options`` and on_failure="continue" at learning rate 0 on a random float64 model of its
+    own on each worker (a stall dumps the threads' stacks after 40 s), that model, the
+    generator of the run's plan (seeded by ``salt`` and SEED), and ``die(trial, point, model)``,
+    which leaves in $FAILURE_DIR/NAME-TRIAL.npy the model the survivors must count as this
+    worker's, and kills it."""
+    import algorithms
+
+    seed = int(sys.argv[2])
+    faulthandler.dump_traceback_later(40)
+    x = np.random.default_rng([7, seed, rank]).standard_normal(100)
+    sgd = algorithms.SGD(x, lr=0.0)
+    algo = algorithms.create(name, x, sgd, comm, broadcast_init=False, on_failure="continue", **options)
+    folder = os.environ["FAILURE_DIR"]
+
+    def die(trial: int, point: str, model: np.ndarray) -> None:
+        np.save(os.path.join(folder, f"{name}-{trial}.npy"), model)
+        print(f"failure.py: rank {rank} dies {point}", file=sys.stderr, flush=True)
+        announce()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return algo, x, np.random.default_rng([salt, seed]), die
 
 
 if mode == "train":
@@ -271,25 +311,11 @@ if mode == "trials":
     sys.exit(0)
 
 if mode == "prague":
-    import algorithms
     from collectives.kernels import ring
     from collectives.transport import p2p
 
     seed = int(sys.argv[2])
-    faulthandler.dump_traceback_later(40)
-    x = np.random.default_rng([7, seed, rank]).standard_normal(100)
-    algo = algorithms.create(
-        "prague", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, policy="smart", on_failure="continue"
-    )
-    plan = np.random.default_rng([19, seed])
-    folder = os.environ["FAILURE_DIR"]
-
-    def die(trial: int, point: str, model: np.ndarray) -> None:
-        """Leave this worker's model as the survivors must count it, and die."""
-        np.save(os.path.join(folder, f"prague-{trial}.npy"), model)
-        print(f"failure.py: rank {rank} dies {point}", file=sys.stderr, flush=True)
-        announce()
-        os.kill(os.getpid(), signal.SIGKILL)
+    algo, x, plan, die = dying_models("prague", 19, policy="smart")
 
     def arm(trial: int, who: str, when: str) -> None:
         """Make this worker (``who``: the group generator's host or another) die at the point
@@ -327,6 +353,45 @@ if mode == "prague":
         return victim, who, when, int(plan.integers(5, 30))
 
     deaths_in_turn(algo, x, "prague", seed, len(plans), draw, arm)
+    sys.exit(0)
+
+if mode == "grsgd":
+    from collectives.transport import p2p
+
+    seed = int(sys.argv[2])
+    algo, x, plan, die = dying_models("grsgd", 23)
+
+    def arm(trial: int, ring: str, when: str) -> None:
+        """Make this worker die at the point ``when`` of the next exchange it starts."""
+        begin, point = algo._begin, f"{when} an exchange"
+
+        def dying(peer: int, edge: Any) -> None:
+            for other, started in algo._edges.items():  # no other exchange in doubt
+                if started.pending:
+                    algo._finish(other, started)
+            if when == "before":  # the neighbor's half may be posted; this worker's is not
+                time.sleep(0.2)
+                die(trial, point, x.copy())
+            begin(peer, edge)
+            p2p.waitall(edge.pending)
+            time.sleep(0.2)  # the neighbor has applied its increment
+            if when == "during":  # both snapshots exchanged, this end's increment not applied
+                die(trial, point, x + algo.weight * (edge.theirs - edge.snapshot))
+            algo._apply(edge)
+            die(trial, point, x.copy())
+
+        algo._begin = dying  # type: ignore[method-assign]
+
+    plans = GRSGD_PLANS[seed % len(GRSGD_PLANS)]
+
+    def draw(trial: int) -> tuple[int, str, str, int]:
+        """The next victim (a drawn world rank of the survivors), its ring's size, its kill
+        point, and after how many steps it is armed."""
+        world = p2p.world_ranks(algo.comm)
+        victim = world[int(plan.integers(len(world)))]
+        return victim, f"ring{len(world)}", plans[trial], int(plan.integers(5, 30))
+
+    deaths_in_turn(algo, x, "grsgd", seed, len(plans), draw, arm)
     sys.exit(0)
 
 x = np.ones(1000, np.float32)
