@@ -198,12 +198,14 @@ class Prague(Algorithm):
         """This end's copies of the edge with ``peer``, made at the first meeting."""
         edge = self.edges.get(peer)
         if edge is None:
-            assert self._gossip is not None
-            seed = edge_seed(self.options["seed"], self._world[self.rank], self._world[peer])
-            edge = self.edges[peer] = PairCopies(
-                self._gossip.compressor.spec, self._gossip.layout, seed, self.flat.state, self._origin
-            )
+            edge = self.edges[peer] = self._new_edge(peer)
         return edge
+
+    def _new_edge(self, peer: int) -> PairCopies:
+        """A new edge with ``peer``: its compressor, and its copies at the origin."""
+        assert self._gossip is not None
+        seed = edge_seed(self.options["seed"], self._world[self.rank], self._world[peer])
+        return PairCopies(self._gossip.compressor.spec, self._gossip.layout, seed, self.flat.state, self._origin)
 
     @property
     def survives(self) -> bool:
@@ -254,14 +256,13 @@ class Prague(Algorithm):
     def _load_state(self, state: dict[str, Any]) -> None:
         super()._load_state(state)
         self.preduce.load_state_dict(state["preduce"])
-        if self._gossip is not None:
+        if self._gossip is not None:  # the edges and the origin change only once all of them load
             what = "the compressed gossip's copies; uncompressed Prague has none"
-            require(state, ("copy_peers", "copy_origin"), what)
+            require(state, ("copy_peers", "copies", "copy_origin"), what)
+            edges = {int(peer): self._new_edge(int(peer)) for peer in state["copy_peers"]}
+            load_copies(edges, state, what)
             load_into(self._origin, state["copy_origin"], "the copies' origin")
-            self.edges = {}
-            for peer in state["copy_peers"]:
-                self._edge(int(peer))
-            load_copies(self.edges, state, what)
+            self.edges = edges
 
     def close(self) -> None:
         """Serve the remaining drafts and stop the group generator (collective)."""
