@@ -50,15 +50,16 @@ once per exchange, so random-k draws the same indices on both ends of an
 edge at every exchange; PowerSGD's payload carries its factors.
 
 Copies start at the common initial model where every worker starts there
-(``broadcast_init``), else at 0 (as in the paper); after a worker's death
+(``broadcast_init``), else at 0 (as in the paper), also those of an edge
+made later (Prague keeps the initial model for them); after a worker's death
 (AD-PSGD's ``on_failure="continue"``) the survivors' new edges start at 0.
 
 Memory: 2 copies of the model (its state: parameters and float buffers) per
 edge, plus one work buffer of the model's size. AD-PSGD makes its neighbors'
 edges at the start; Prague makes an edge when it first meets the partner
 (any worker may be), so up to 2 (n - 1) copies of the model on each worker
-of n, plus the initial model where the copies start there, and the payloads
-of a group (k - 1 sent, k - 1 received). Bytes per exchange: the
+of n, plus one model where a new edge's copies start, and the payloads of a
+group (k - 1 sent, k - 1 received). Bytes per exchange: the
 compressor's payload (``payload_nbytes`` of the state) to each other member,
 against the model each way for a pair uncompressed (a group's ring
 all-reduce: 2 m (k - 1) / k); computation: per edge one encoding and two

@@ -61,8 +61,9 @@ each member sends each other member the payload C(x_i - x^_i) of their edge
 against the model's m each way) and moves by gamma / k towards each of their
 copies, so every pair's sum, and so the group's and all workers' sum, is
 kept. A worker makes an edge's two copies of the model when it first meets
-the partner: up to 2 (n - 1) copies, plus the initial model where the copies
-start there (``broadcast_init``). Not with ``on_failure="continue"``: the
+the partner: up to 2 (n - 1) copies, plus one: where a new edge's copies
+start (the initial model with ``broadcast_init``, else 0), and one work
+buffer. Not with ``on_failure="continue"``: the
 exchange moves the copies of the edges too, which P-Reduce's recovery does
 not take back (refused at construction).
 """
