@@ -63,9 +63,9 @@ copies, so every pair's sum, and so the group's and all workers' sum, is
 kept. A worker makes an edge's two copies of the model when it first meets
 the partner: up to 2 (n - 1) copies, plus one: where a new edge's copies
 start (the initial model with ``broadcast_init``, else 0), and one work
-buffer. Not with ``on_failure="continue"``: the
-exchange moves the copies of the edges too, which P-Reduce's recovery does
-not take back (refused at construction).
+buffer. Not with ``on_failure="continue"``: the exchange moves the copies of
+the edges too, which P-Reduce's recovery does not take back (refused at
+construction).
 """
 
 from __future__ import annotations
