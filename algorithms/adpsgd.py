@@ -138,9 +138,9 @@ from collectives.transport.scratch import scratch
 
 from . import events
 from .base import Algorithm
-from .compressed import Gossip, gossip, host_copy, load_into, require
+from .compressed import Gossip, gossip
 from .error_feedback import zeros_like
-from .pair_gossip import PairCopies, edge_seed
+from .pair_gossip import PairCopies, edge_seed, load_copies, save_copies
 from .topology import Topology, build
 
 #: How an active worker chooses the neighbor of its next averaging.
@@ -332,7 +332,7 @@ class ADPSGD(Algorithm):
             sent = edge.encode(self.flat.state, self._work, shrink)
             received = scratch(sent, sent.shape[0], RECEIVED)
             self._swap(sent, received, peer)
-            self.flat.state += edge.mix(sent, received, self._work, gamma)
+            self.flat.state += edge.mix(sent, received, self._work, gamma / 2)
         self._exchanges[world] = (started, True)
         t1 = time.perf_counter()
         if events.active is not None:
@@ -471,10 +471,7 @@ class ADPSGD(Algorithm):
             "rng": self._rng.bit_generator.state,
         }
         if self._gossip is not None:
-            peers = sorted(self.edges)
-            copies = [host_copy(c) for p in peers for c in (self.edges[p].mine, self.edges[p].theirs)]
-            state["copy_peers"] = peers
-            state["copies"] = np.stack(copies) if copies else np.zeros((0, self.flat.state_data.shape[0]))
+            state.update(save_copies(self.edges, self.flat.state_data.shape[0]))
         return state
 
     def _load_state(self, state: dict[str, Any]) -> None:
@@ -482,13 +479,7 @@ class ADPSGD(Algorithm):
         self.averagings, self.last_peer = int(state["averagings"]), state["last_peer"]
         self._rng.bit_generator.state = state["rng"]
         if self._gossip is not None:
-            require(state, ("copy_peers", "copies"), "the compressed gossip's copies; uncompressed AD-PSGD has none")
-            peers, copies = sorted(self.edges), state["copies"]
-            if list(state["copy_peers"]) != peers or len(copies) != 2 * len(peers):
-                raise ValueError(f"the copies are of the edges with {state['copy_peers']}, not {peers}")
-            for k, peer in enumerate(peers):
-                load_into(self.edges[peer].mine, copies[2 * k], f"the copy of the edge with {peer}")
-                load_into(self.edges[peer].theirs, copies[2 * k + 1], f"the copy of the edge with {peer}")
+            load_copies(self.edges, state, "the compressed gossip's copies; uncompressed AD-PSGD has none")
 
     def close(self) -> None:
         """Settle, stop the threads, free the private communicator (collective)."""
@@ -619,7 +610,7 @@ class _Server:
             if not algo.survives:
                 raise
             failure = exc
-        change = edge.mix(sent, received, algo._work, gamma)
+        change = edge.mix(sent, received, algo._work, gamma / 2)
         if algo.survives:
             change_data = as_flat(change).data
             self._record(algo._world[peer], change_data, failure is None)[...] = change_data

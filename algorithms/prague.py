@@ -52,6 +52,20 @@ by all, and go on with a new group generator over the survivors
 :attr:`Prague.lost` names the dead. The static schedule cannot go on (its
 groups need every worker in step): ``continue`` needs random, smart or
 aware groups.
+
+Compressed gossip (``compression="NAME[:PARAM]"``, ``gamma``): a group
+exchanges compressed differences to public copies kept per edge instead of
+averaging the models (CHOCO-SGD's copies, :func:`algorithms.pair_gossip.group_exchange`):
+each member sends each other member the payload C(x_i - x^_i) of their edge
+(P bytes, the compressor's ``payload_nbytes`` of the state; in a pair P
+against the model's m each way) and moves by gamma / k towards each of their
+copies, so every pair's sum, and so the group's and all workers' sum, is
+kept. A worker makes an edge's two copies of the model when it first meets
+the partner: up to 2 (n - 1) copies, plus one: where a new edge's copies
+start (the initial model with ``broadcast_init``, else 0), and one work
+buffer. Not with ``on_failure="continue"``: the exchange moves the copies of
+the edges too, which P-Reduce's recovery does not take back (refused at
+construction).
 """
 
 from __future__ import annotations
@@ -63,9 +77,14 @@ from mpi4py import MPI
 
 from collectives import ArgumentError, PReduce, PReduceStats
 from collectives.errors import renamed_keyword
+from collectives.partial.group_comm import GroupComm
 from collectives.partial.preduce import check_options
+from collectives.transport import p2p
 
 from .base import Algorithm
+from .compressed import Gossip, gossip, host_copy, load_into, require
+from .error_feedback import zeros_like
+from .pair_gossip import PairCopies, edge_seed, group_exchange, load_copies, save_copies
 
 
 class Prague(Algorithm):
@@ -84,9 +103,19 @@ class Prague(Algorithm):
         on_failure: "abort" (a worker's death ends the job) or "continue" (the
             survivors go on, where the MPI library has ULFM; elsewhere a warning
             says that it has not, and a death ends the job; module docstring).
+        compression: None (or "none"): groups average their models; a compressor spec
+            "NAME[:PARAM]" of :data:`collectives.COMPRESSORS`: compressed gossip with
+            CHOCO-SGD's public copies kept per edge (module docstring). Not with
+            ``on_failure="continue"``.
+        gamma: the compressed gossip's consensus step size in (0, 1] (None: the
+            compressor's, :func:`algorithms.compressed.consensus_step`).
 
     Attributes:
         preduce: the :class:`collectives.PReduce` on the flat parameters.
+        compressor: the compressed gossip's compressor (its spec; each edge has its own), or None.
+        gamma: the compressed gossip's consensus step size, or None.
+        edges: compressed gossip: per partner met so far (rank), this end's copies of the
+            edge (:class:`~algorithms.pair_gossip.PairCopies`); else empty.
     """
 
     name = "prague"
@@ -106,6 +135,8 @@ class Prague(Algorithm):
         collective: str = "ring",
         algorithm: str | None = None,
         on_failure: str = "abort",
+        compression: str | None = None,
+        gamma: float | None = None,
         **common: Any,
     ) -> None:
         self.options: dict[str, Any] = {
@@ -118,6 +149,12 @@ class Prague(Algorithm):
             "on_failure": on_failure,
         }
         self.local_steps = local_steps
+        self.compression_arg, self.gamma_arg = compression, gamma
+        self._gossip: Gossip | None = None
+        self.compressor: Any = None
+        self.gamma: float | None = None
+        self.edges: dict[int, PairCopies] = {}
+        self._copies_start = common.get("broadcast_init", True)  # the copies start at the common model
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
@@ -127,13 +164,49 @@ class Prague(Algorithm):
         if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) or self.local_steps < 1:
             raise ArgumentError(f"local_steps must be an integer >= 1, got {self.local_steps!r}")
         self.uneven_steps = self.options["policy"] != "static"
-        return (tuple(sorted(self.options.items())), self.local_steps)
+        self._gossip = gossip(self.compression_arg, self.gamma_arg, self.flat, self.options["seed"])
+        if self._gossip is not None:
+            if self.options["on_failure"] == "continue":
+                raise ArgumentError(
+                    "Prague's compressed gossip cannot go on after a death (the recovery does not take "
+                    "back the copies of the edges): use on_failure='abort' with a compression"
+                )
+            self.compressor, self.gamma = self._gossip.compressor, self._gossip.gamma
+        compression = (self.compressor and self.compressor.spec, self.gamma)
+        return (tuple(sorted(self.options.items())), self.local_steps, *compression)
 
     preduce: PReduce  #: the P-Reduce of the flat parameters (made in _start)
 
     def _start(self) -> None:
         # The options were checked in _configure and across ranks by the set-up check.
-        self.preduce = PReduce(self.flat.state, self.comm, validate=False, **self.options)
+        exchange = None
+        if self._gossip is not None:
+            self._work = zeros_like(self.flat.state)
+            self._origin = zeros_like(self.flat.state)  # where a new edge's copies start
+            if self._copies_start:
+                self._origin[...] = self.flat.state
+            self._world = p2p.world_ranks(self.comm)
+            exchange = self._gossip_in
+        self.preduce = PReduce(self.flat.state, self.comm, validate=False, exchange=exchange, **self.options)
+
+    def _gossip_in(self, members: tuple[int, ...], group: GroupComm) -> None:
+        """The compressed gossip of a group of ``members`` (P-Reduce's exchange)."""
+        assert self._gossip is not None  # set as the exchange only then
+        edges = [self._edge(m) for m in members if m != self.rank]
+        group_exchange(edges, group, self.flat.state, self._work, self._gossip.gamma, self._gossip.shrink)
+
+    def _edge(self, peer: int) -> PairCopies:
+        """This end's copies of the edge with ``peer``, made at the first meeting."""
+        edge = self.edges.get(peer)
+        if edge is None:
+            edge = self.edges[peer] = self._new_edge(peer)
+        return edge
+
+    def _new_edge(self, peer: int) -> PairCopies:
+        """A new edge with ``peer``: its compressor, and its copies at the origin."""
+        assert self._gossip is not None
+        seed = edge_seed(self.options["seed"], self._world[self.rank], self._world[peer])
+        return PairCopies(self._gossip.compressor.spec, self._gossip.layout, seed, self.flat.state, self._origin)
 
     @property
     def survives(self) -> bool:
@@ -171,12 +244,26 @@ class Prague(Algorithm):
 
     def state_dict(self) -> dict[str, Any]:
         """The counters and ``preduce``, the P-Reduce's state (after settle();
-        :meth:`collectives.PReduce.state_dict`)."""
-        return {**super().state_dict(), "preduce": self.preduce.state_dict()}
+        :meth:`collectives.PReduce.state_dict`); compressed gossip: ``copies``, the edges'
+        copies (mine, theirs per partner met, in the order of ``copy_peers``), and
+        ``copy_origin``, where the copies of an edge not yet made start. The edges'
+        compressors restart: random-k's draws and PowerSGD's warm start begin again alike
+        on both ends."""
+        state = {**super().state_dict(), "preduce": self.preduce.state_dict()}
+        if self._gossip is not None:
+            state.update(save_copies(self.edges, self.flat.state_data.shape[0]), copy_origin=host_copy(self._origin))
+        return state
 
     def _load_state(self, state: dict[str, Any]) -> None:
         super()._load_state(state)
         self.preduce.load_state_dict(state["preduce"])
+        if self._gossip is not None:  # the edges and the origin change only once all of them load
+            what = "the compressed gossip's copies; uncompressed Prague has none"
+            require(state, ("copy_peers", "copies", "copy_origin"), what)
+            edges = {int(peer): self._new_edge(int(peer)) for peer in state["copy_peers"]}
+            load_copies(edges, state, what)
+            load_into(self._origin, state["copy_origin"], "the copies' origin")
+            self.edges = edges
 
     def close(self) -> None:
         """Serve the remaining drafts and stop the group generator (collective)."""

@@ -232,8 +232,8 @@ ALGORITHM_OPTIONS = (
         f"compress what is sent: NAME[:PARAM] of {', '.join(collectives.COMPRESSORS)}, e.g. fp16, qsgd:127, "
         "sign, topk:0.01, powersgd:4 (default none), then @allgather, @reduce_scatter or @hierarchical "
         "(exact inside a node, compressed across) to choose how sign, qsgd and the casts are aggregated; "
-        "allreduce: every gradient bucket; lsgd: among the groups; dpsgd: CHOCO-SGD's gossip; adpsgd: the same, "
-        "with copies per edge; "
+        "allreduce: every gradient bucket; lsgd: among the groups; dpsgd: CHOCO-SGD's gossip; adpsgd and prague: "
+        "the same, with copies per edge; "
         "ddp: its powersgd:R and fp16 hooks; horovod: fp16",
         metavar="NAME[:PARAM][@AGG]",
     ),
@@ -283,7 +283,7 @@ ALGORITHM_OPTIONS = (
         "--gamma",
         "gamma",
         "CHOCO-SGD's consensus step size (default: by compressor, docs/training.rst; adpsgd moves each of a "
-        "pair by half of it)",
+        "pair by half of it, prague each member of a group of k by 1/k of it towards each other member)",
         type=_parser(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     ),
 )

@@ -35,6 +35,7 @@ SYNC_CONFIGS = {
     "lsgd-singletons": ("lsgd", {"layout": 1, "collective": "ring"}),
     "grsgd-synchronous": ("grsgd", {"max_lead": 0}),
     "prague-static-pairs": ("prague", {"policy": "static", "group_size": 2, "period": 2}),
+    "prague-static-choco-topk": ("prague", {"policy": "static", "group_size": 2, "compression": "topk:0.25"}),
     "allreduce-topk": ("allreduce", {"collective": "ring", "compression": "topk:0.25"}),
     "allreduce-sign": ("allreduce", {"collective": "ring", "compression": "sign", "error_feedback": True}),
     "lsgd-pairs-sign": ("lsgd", {"layout": 2, "collective": "ring", "compression": "sign", "error_feedback": True}),
@@ -48,6 +49,7 @@ ASYNC_CONFIGS = {
     "grsgd": ("grsgd", {"max_lead": 2}),
     "prague-random": ("prague", {"policy": "random", "local_steps": 2}),
     "prague-smart": ("prague", {"policy": "smart"}),
+    "prague-choco-topk": ("prague", {"compression": "topk:0.25"}),
 }
 
 
@@ -250,6 +252,8 @@ MEMORIES = [
     ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}, 0.0, "public"),
     ("dpsgd", {"topology": "ring", "compression": "topk:0.25"}, 0.0, "mixed"),
     ("adpsgd", {"compression": "topk:0.25"}, 0.0, "copies"),
+    ("prague", {"compression": "topk:0.25"}, 0.0, "copies"),
+    ("prague", {"compression": "topk:0.25"}, 0.0, "copy_origin"),
 ]
 
 

@@ -230,6 +230,7 @@ def test_empty_buffer_still_takes_part() -> None:
         (dict(period=0), "period"),
         (dict(seed=-1), "seed"),
         (dict(service_rank=10_000), "service_rank"),
+        (dict(exchange=lambda members, group: None, on_failure="continue"), "needs exchange=None"),
     ],
 )
 def test_bad_arguments_raise_on_every_rank(kwargs: dict, match: str) -> None:

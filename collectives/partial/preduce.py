@@ -120,6 +120,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TextIO, Union
@@ -220,6 +221,12 @@ class PReduce:
             (the survivors go on, where the MPI library has ULFM; elsewhere
             rank 0 warns that it has not, and a death ends the job; module
             docstring). Not with ``static``.
+        exchange: what a group does to the bound buffer instead of averaging it: called
+            as ``exchange(members, group)`` on every member, with the members' ranks
+            (ascending, this rank included) and a :class:`~collectives.partial.group_comm.GroupComm`
+            of them, it must leave the buffer as the exchange makes it (Prague's compressed
+            gossip: :mod:`algorithms.prague`); None: the group's mean. Not with
+            ``on_failure="continue"`` (the buffer alone could not be taken back).
 
     Attributes:
         comm: the workers' communicator: ``comm``, or after a death the survivors'.
@@ -250,6 +257,7 @@ class PReduce:
         validate: bool | None = None,
         algorithm: str | None = None,
         on_failure: str = "abort",
+        exchange: Callable[[tuple[int, ...], GroupComm], None] | None = None,
     ) -> None:
         collective = renamed_keyword("PReduce", "algorithm", "collective", algorithm, collective, "ring")
         user = MPI.COMM_WORLD if comm is None else comm
@@ -269,6 +277,11 @@ class PReduce:
             self._kernel = check_options(
                 self.size, collective, policy, group_size, period, seed, service_rank, cross_every, on_failure
             )
+            if exchange is not None and on_failure == "continue":
+                raise ArgumentError(
+                    "PReduce: an exchange other than the mean cannot be taken back after a death: "
+                    "on_failure='continue' needs exchange=None"
+                )
         except ArgumentError as exc:
             problem = exc
         if validation.enabled(validate):
@@ -304,6 +317,7 @@ class PReduce:
             gpu.ensure(ctx.comm, self._flat)
         self.group_size, self.policy, self.period, self.seed = int(group_size), policy, period, seed
         self.cross_every = cross_every
+        self._exchange = exchange
         self.survives = faults.survival(on_failure, "P-Reduce", self.rank)
         self.comm: MPI.Comm = user
         self.lost: list[int] = []
@@ -586,8 +600,11 @@ class PReduce:
             if self._pre is not None:  # a worker's death is survived: keep what the exchange may take back
                 array_module(data).copyto(self._pre, data)
                 self._pending = tuple(self._world[m] for m in members)
-            self._kernel(data, self._group(members), self._red)  # type: ignore[arg-type]  # GroupComm: the kernels' subset of a Comm
-            self._red.finalize(data, len(members))
+            if self._exchange is not None:
+                self._exchange(members, self._group(members))
+            else:
+                self._kernel(data, self._group(members), self._red)  # type: ignore[arg-type]  # GroupComm: the kernels' subset of a Comm
+                self._red.finalize(data, len(members))
             if self._pre is not None:
                 self._confirm(members)
         self.stats.reduce_s += time.perf_counter() - t
