@@ -260,6 +260,9 @@ class Prague(Algorithm):
         if self._gossip is not None:  # the edges and the origin change only once all of them load
             what = "the compressed gossip's copies; uncompressed Prague has none"
             require(state, ("copy_peers", "copies", "copy_origin"), what)
+            strangers = [p for p in state["copy_peers"] if not 0 <= int(p) < self.size or int(p) == self.rank]
+            if strangers:
+                raise ValueError(f"the copies are of edges with ranks {strangers}, not partners among {self.size}")
             edges = {int(peer): self._new_edge(int(peer)) for peer in state["copy_peers"]}
             load_copies(edges, state, what)
             load_into(self._origin, state["copy_origin"], "the copies' origin")

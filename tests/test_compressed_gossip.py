@@ -192,6 +192,19 @@ def test_the_copies_are_saved_and_restored(size: int, case: str) -> None:
     assert all_ok(MPI.COMM_WORLD, ok)
 
 
+def test_prague_refuses_copies_of_partners_outside_its_communicator() -> None:
+    """A state whose edges name ranks this communicator has not (saved on more workers)
+    is refused with a ValueError naming them, and no edge is made."""
+    comm = comm_of_size(2)
+    algo = run(comm, "topk:0.25", lr=0.05, steps=4, case="prague", broadcast_init=True)
+    state = {**algo.state_dict(), "copy_peers": [5]}
+    algo.close()
+    with make("prague", np.zeros((5, 8)), 0.05, comm, compression="topk:0.25") as fresh:
+        with pytest.raises(ValueError, match=r"edges with ranks \[5\], not partners among"):
+            fresh.load_state_dict(state)
+        assert all_ok(MPI.COMM_WORLD, not fresh.edges)
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
