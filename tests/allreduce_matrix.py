@@ -13,6 +13,13 @@ equal the exact result; float results equal a float64 reference within the
 dtype's rounding; every rank must end with bitwise-identical bytes. "mpi" (the
 MPI library's own all-reduce) must refuse float16 and bfloat16, and min and
 max on floats, on every rank, naming them, with the buffer untouched.
+
+The suite runs the full product on 1..4 ranks. The script's ``--design pairs``
+(its runs on 5..8 ranks) keeps every algorithm x length and takes op, dtype and
+length in an all-pairs design: every op-dtype, op-length and dtype-length pair
+at least once (some 50 cases per algorithm instead of 224); what the rank
+count changes, the split of each length among the ranks, is still tried for
+every algorithm and length.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -88,6 +96,37 @@ def available_dtypes() -> list[str]:
     return list(collectives.DTYPES)
 
 
+def product(dtypes: Iterable[str], ops: Iterable[str], lengths: Iterable[int]) -> list[tuple[str, str, int]]:
+    """Every valid (dtype, op, length): avg is not an integer op."""
+    return [
+        (dtype, op, length)
+        for dtype in dtypes
+        for op in ops
+        if not (op == "avg" and dtype in INT_DTYPES)
+        for length in lengths
+    ]
+
+
+def all_pairs(dtypes: Iterable[str], ops: Iterable[str], lengths: Iterable[int]) -> list[tuple[str, str, int]]:
+    """A subset of :func:`product` that holds every valid dtype-op, dtype-length and
+    op-length pair at least once (greedy: the case that covers the most pairs not yet
+    covered, first in the product's order on ties; deterministic)."""
+    cases = product(dtypes, ops, lengths)
+    uncovered = set().union(*map(_pairs, cases)) if cases else set()
+    chosen = []
+    while uncovered:
+        best = max(cases, key=lambda case: len(_pairs(case) & uncovered))
+        chosen.append(best)
+        uncovered -= _pairs(best)
+    return chosen
+
+
+def _pairs(case: tuple[str, str, int]) -> set[tuple[str, object, object]]:
+    """The dtype-op, dtype-length and op-length pairs of a case."""
+    dtype, op, length = case
+    return {("dtype-op", dtype, op), ("dtype-length", dtype, length), ("op-length", op, length)}
+
+
 def check(
     comm: MPI.Comm,
     algorithms: Iterable[str],
@@ -95,23 +134,22 @@ def check(
     ops: Iterable[str] = collectives.OPS,
     lengths: Sequence[int] | None = None,
     device: str = "cpu",
+    design: str = "full",
     **options,
 ) -> list[str]:
     """Run the matrix on ``comm``; return this rank's failure messages (collective).
 
-    ``device`` "cuda" uses CuPy arrays and CUDA tensors; ``options``
-    (layout=, grid=) are passed to every all-reduce.
+    ``device`` "cuda" uses CuPy arrays and CUDA tensors; ``design`` "full" runs every
+    dtype x op x length, "pairs" :func:`all_pairs` of them; ``options`` (layout=,
+    grid=) are passed to every all-reduce.
     """
     failures: list[str] = []
     results: list[tuple[str, bytes]] = []  # (case, digest of the result's bytes)
     n, rank = comm.Get_size(), comm.Get_rank()
+    cases = (all_pairs if design == "pairs" else product)(dtypes, ops, lengths or lengths_for(n))
     for algorithm in algorithms:
-        for dtype in dtypes:
-            for op in ops:
-                if op == "avg" and dtype in INT_DTYPES:
-                    continue
-                for length in lengths or lengths_for(n):
-                    failures += _one(comm, algorithm, dtype, op, length, n, rank, device, options, results)
+        for dtype, op, length in cases:
+            failures += _one(comm, algorithm, dtype, op, length, n, rank, device, options, results)
     digests = comm.allgather([digest for _, digest in results])
     failures += [
         f"{case}: ranks disagree bitwise" for i, (case, _) in enumerate(results) if len({d[i] for d in digests}) > 1
@@ -165,20 +203,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grid", help="X,Y for torus2d")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--shm-piece", type=int, help="shm: pieces of this many bytes, always sliced")
+    parser.add_argument(
+        "--design", choices=["full", "pairs"], default="full", help="every dtype x op x length, or all pairs of them"
+    )
+    parser.add_argument(
+        "--sizes",
+        help="run on the first K ranks for each K of this comma list, in turn (one launch, one import "
+        "of torch, for several sizes; default: every rank)",
+    )
     args = parser.parse_args(argv)
     if args.shm_piece:
         collectives.kernels.shm.SEGMENT, collectives.kernels.shm.REPLICATE = args.shm_piece, 0
-    comm = MPI.COMM_WORLD
+    world = MPI.COMM_WORLD
     options = {
         k: v
         for k, v in (("layout", args.layout), ("grid", tuple(map(int, args.grid.split(","))) if args.grid else None))
         if v
     }
-    failures = check(comm, args.collectives.split(","), available_dtypes(), device=args.device, **options)
-    everyone = [f"rank {r}: {f}" for r, fs in enumerate(comm.gather(failures) or []) for f in fs]
-    if comm.Get_rank() == 0:
-        print("\n".join(everyone[:50]) or f"all-reduce matrix passed on {comm.Get_size()} ranks ({args.device})")
-    return int(bool(comm.bcast(everyone)))
+    dtypes, failed = available_dtypes(), False
+    for size in map(int, args.sizes.split(",")) if args.sizes else [world.Get_size()]:
+        comm = world.Split(0 if world.Get_rank() < size else MPI.UNDEFINED, world.Get_rank())
+        if comm != MPI.COMM_NULL:
+            failures = check(
+                comm, args.collectives.split(","), dtypes, device=args.device, design=args.design, **options
+            )
+            everyone = [f"rank {r}: {f}" for r, fs in enumerate(comm.gather(failures) or []) for f in fs]
+            if comm.Get_rank() == 0:
+                passed = f"all-reduce matrix ({args.design}) passed on {size} ranks ({args.device})"
+                print("\n".join(everyone[:50]) or passed, flush=True)
+            comm.Free()
+        request = world.Ibarrier()  # the ranks left out wait without spinning on a core
+        while not request.Test():
+            time.sleep(0.01)
+        failed |= bool(world.bcast(bool(everyone) if world.Get_rank() == 0 else None))
+    return int(failed)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def test_pieces_and_their_boundaries(size: int, replicate: int, monkeypatch: pyt
 @pytest.mark.parametrize("layout", [None, "2", "4,2"])
 def test_pieces_on_six_ranks(layout: str | None) -> None:
     """Sliced pieces on a node of six ranks, and on emulated nodes of several."""
-    args = ["tests/allreduce_matrix.py", "--collectives", "shm", "--shm-piece", "40"]
+    args = ["tests/allreduce_matrix.py", "--collectives", "shm", "--shm-piece", "40", "--design", "pairs"]
     proc = on_rank0_quietly(mpiexec, 6, args + (["--layout", layout] if layout else []), timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
