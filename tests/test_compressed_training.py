@@ -539,7 +539,7 @@ def test_ddp_compresses_with_its_hooks() -> None:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--algorithm", "prague", "--compression", "fp16"], "--compression does not apply to --algorithm prague"),
+        (["--algorithm", "grsgd", "--compression", "fp16"], "--compression does not apply to --algorithm grsgd"),
         (["--algorithm", "dpsgd", "--error-feedback"], "--error-feedback does not apply to --algorithm dpsgd"),
         (["--algorithm", "allreduce", "--gamma", "2"], "expected a number in (0, 1], got '2'"),
     ],
