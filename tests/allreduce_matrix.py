@@ -223,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtypes, failed = available_dtypes(), False
     for size in map(int, args.sizes.split(",")) if args.sizes else [world.Get_size()]:
         comm = world.Split(0 if world.Get_rank() < size else MPI.UNDEFINED, world.Get_rank())
+        everyone: list[str] = []  # every rank's failures, on rank 0 of comm (world's rank 0)
         if comm != MPI.COMM_NULL:
             failures = check(
                 comm, args.collectives.split(","), dtypes, device=args.device, design=args.design, **options
@@ -235,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         request = world.Ibarrier()  # the ranks left out wait without spinning on a core
         while not request.Test():
             time.sleep(0.01)
-        failed |= bool(world.bcast(bool(everyone) if world.Get_rank() == 0 else None))
+        failed |= bool(world.bcast(bool(everyone)))
     return int(failed)
 
 
