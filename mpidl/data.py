@@ -62,6 +62,8 @@ import itertools
 import math
 import operator
 import os
+import tempfile
+import zipfile
 import zlib
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass, replace
@@ -70,10 +72,19 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
+from collectives.tuning import cache
+
 #: Seed of the digits train/test split (fixed, so every run tests on the same images).
 SPLIT_SEED = 0
 #: Fraction of the digits held out for testing.
 TEST_FRACTION = 0.2
+#: The digits' split, (dtype, shape) of x_train, y_train, x_test, y_test.
+DIGITS_SPLIT = [
+    (np.dtype(np.uint8), (1437, 64)),
+    (np.dtype(np.int64), (1437,)),
+    (np.dtype(np.uint8), (360, 64)),
+    (np.dtype(np.int64), (360,)),
+]
 #: Where the Debian package ``dataset-fashion-mnist`` installs the IDX files.
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 #: The classes of the IDX datasets: labels are 0..9.
@@ -204,7 +215,45 @@ class Dataset:
 
 
 def load_digits() -> Dataset:
-    """scikit-learn's bundled digits, split 80/20 (stratified, seed :data:`SPLIT_SEED`)."""
+    """scikit-learn's bundled digits, split 80/20 (stratified, seed :data:`SPLIT_SEED`).
+
+    The split is kept in :func:`digits_cache` after the first load and read from
+    there afterwards: importing scikit-learn takes longer than a short run's
+    training. A cache that is missing, unreadable or not the digits' split is made
+    anew; where it cannot be written, every load splits anew.
+    """
+    path = digits_cache()
+    try:
+        with np.load(path) as cached:
+            parts = [cached[f"arr_{i}"] for i in range(len(DIGITS_SPLIT))]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        parts = []
+    if [(a.dtype, a.shape) for a in parts] != DIGITS_SPLIT:
+        parts = _split_digits()
+        _keep(path, parts)
+    x_tr, y_tr, x_te, y_te = parts
+    return Dataset("digits", x_tr, y_tr, x_te, y_te, classes=10, pixel_max=16.0, shape=(1, 8, 8))
+
+
+def _keep(path: str, arrays: list[np.ndarray]) -> None:
+    """Write ``arrays`` to the npz file ``path`` as ``arr_0``, ``arr_1``, ... (atomically: a concurrent reader sees the
+    old file or the whole new one); nothing where the folder cannot be written."""
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".npz")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, *arrays)
+        os.replace(tmp, path)
+    except OSError:
+        os.unlink(tmp)
+
+
+def _split_digits() -> list[np.ndarray]:
+    """scikit-learn's digits, split: x_train, y_train, x_test, y_test."""
     try:
         from sklearn.datasets import load_digits as sk_load_digits
         from sklearn.model_selection import train_test_split
@@ -214,7 +263,13 @@ def load_digits() -> Dataset:
     x_tr, x_te, y_tr, y_te = train_test_split(
         x.astype(np.uint8), y.astype(np.int64), test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y
     )
-    return Dataset("digits", x_tr, y_tr, x_te, y_te, classes=10, pixel_max=16.0, shape=(1, 8, 8))
+    return [x_tr, y_tr, x_te, y_te]
+
+
+def digits_cache() -> str:
+    """Where :func:`load_digits` keeps the digits' split: ``digits-split-SEED.npz`` in
+    mpidl's cache directory (:func:`collectives.tuning.cache.directory`)."""
+    return str(cache.directory() / f"digits-split-{SPLIT_SEED}.npz")
 
 
 def user_dir(name: str) -> str:

@@ -8,6 +8,7 @@ import dataclasses
 import gzip
 import importlib.util
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,6 +226,31 @@ def test_digits_split_is_fixed_and_stratified() -> None:
     assert len(a.y_train) == 1437 and len(a.y_test) == 360 and a.features == 64
     assert np.array_equal(a.x_test, b.x_test) and np.array_equal(a.y_train, b.y_train)
     assert np.bincount(a.y_test, minlength=10).min() >= 35
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn")
+def test_digits_split_is_kept_in_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first load keeps the split; later loads read it (scikit-learn not called) and
+    get the same arrays; a damaged file is made anew; a folder that cannot be written
+    only costs the split each time."""
+    monkeypatch.setenv("MPIDL_CACHE_DIR", str(tmp_path / "cache"))
+    split = data._split_digits
+    splits: list[int] = []
+    monkeypatch.setattr(data, "_split_digits", lambda: splits.append(1) or split())
+    first = data.load_digits()
+    path = Path(data.digits_cache())
+    assert path.is_file() and len(splits) == 1
+    fields = ("x_train", "y_train", "x_test", "y_test")
+    for damage in (None, path.read_bytes()[: path.stat().st_size // 2], b"not a zip file"):
+        if damage is not None:
+            path.write_bytes(damage)
+        again = data.load_digits()
+        assert all(np.array_equal(getattr(first, k), getattr(again, k)) for k in fields)
+        assert all(getattr(first, k).dtype == getattr(again, k).dtype for k in fields)
+    assert len(splits) == 3 and path.stat().st_size > len(damage) and os.listdir(path.parent) == [path.name]
+    (tmp_path / "a file").write_bytes(b"")
+    monkeypatch.setenv("MPIDL_CACHE_DIR", str(tmp_path / "a file"))
+    assert np.array_equal(data.load_digits().x_test, first.x_test) and len(splits) == 4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn")
