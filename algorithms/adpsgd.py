@@ -206,7 +206,6 @@ class ADPSGD(Algorithm):
         self.compressor: Any = None
         self.gamma: float | None = None
         self.edges: dict[int, PairCopies] = {}
-        self._copies_start = common.get("broadcast_init", True)  # the copies start at the common model
         self.survives = False
         self.lost: list[int] = []
         self.averagings = 0
@@ -259,7 +258,7 @@ class ADPSGD(Algorithm):
         self._rng = np.random.default_rng([self.seed, self.rank])
         if self._gossip is not None:
             self._work = zeros_like(self.flat.state)
-        self._start_threads(self.flat.state if self._copies_start else None)
+        self._start_threads(self.flat.state if self.broadcast_init else None)
 
     def _start_threads(self, copies: Any = None) -> None:
         """Placement, the edges' copies (compressed gossip; starting at ``copies`` or 0), and

@@ -241,7 +241,6 @@ class AllReduceSGD(Algorithm):
         self.local_momentum: LocalMomentum | None = None
         self.fuse_update_arg = fuse_update
         self.fused_update: SharedSGD | None = None
-        self._own_models = not common.get("broadcast_init", True)
         self._background: Background | None = None
         self._shared: SharedVectors | None = None
         self._hooks: list[Any] = []
@@ -309,7 +308,7 @@ class AllReduceSGD(Algorithm):
             return "the gradient is compressed"
         if self.overlap_arg:
             return "the buckets are all-reduced during backward (overlap)"
-        if self._own_models:
+        if not self.broadcast_init:
             return (
                 "the workers keep their own models (broadcast_init=False), and the rank that reduces "
                 "a block would write its own update of it into every worker's model"

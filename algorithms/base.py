@@ -145,6 +145,7 @@ class Algorithm(ABC):
     Attributes:
         comm, rank, size: the communicator, this worker's rank, the number of workers.
         optimizer: the local optimizer.
+        broadcast_init: whether every worker started from rank 0's parameters.
         flat: the flat parameters and gradients (:class:`~algorithms.flat.FlatParams`).
         iterations: steps taken.
         bytes_sent: payload bytes this worker sent during steps.
@@ -178,6 +179,7 @@ class Algorithm(ABC):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.optimizer = optimizer
+        self.broadcast_init = bool(broadcast_init)
         self.iterations = 0
         self.bytes_sent = 0
         self.comm_wait_s = 0.0

@@ -154,7 +154,7 @@ class DPSGD(Algorithm):
         self._hook: Any = None
         self._in_flight = False
         super().__init__(model, optimizer, comm, **common)
-        if self.compressor is not None and common.get("broadcast_init", True):
+        if self.compressor is not None and self.broadcast_init:
             self._public[...] = self.flat.state
             self._mixed[...] = self.flat.state
 

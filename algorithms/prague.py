@@ -154,7 +154,6 @@ class Prague(Algorithm):
         self.compressor: Any = None
         self.gamma: float | None = None
         self.edges: dict[int, PairCopies] = {}
-        self._copies_start = common.get("broadcast_init", True)  # the copies start at the common model
         super().__init__(model, optimizer, comm, **common)
 
     def _configure(self) -> Hashable:
@@ -183,7 +182,7 @@ class Prague(Algorithm):
         if self._gossip is not None:
             self._work = zeros_like(self.flat.state)
             self._origin = zeros_like(self.flat.state)  # where a new edge's copies start
-            if self._copies_start:
+            if self.broadcast_init:
                 self._origin[...] = self.flat.state
             self._world = p2p.world_ranks(self.comm)
             exchange = self._gossip_in
