@@ -333,18 +333,21 @@ def needs_ulfm() -> None:
         pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
 
 
+@pytest.mark.parametrize("compression", [None, "topk:0.1"])
 @pytest.mark.parametrize("role, victim", [("active", 0), ("passive", 1)])
-def test_adpsgd_survives_a_dead_worker(role: str, victim: int, tmp_path: Path) -> None:
-    """AD-PSGD with on_failure="continue" under ULFM, 4 workers, learning rate 0: worker 0
-    (active, between two averagings) or 1 (passive, holding its lock while requests wait)
-    is killed; the 3 survivors take all their steps, and their sum is the initial sum less
-    the dead worker's model (the averagings in flight abandoned or completed on both ends)."""
+def test_adpsgd_survives_a_dead_worker(role: str, victim: int, compression: str | None, tmp_path: Path) -> None:
+    """AD-PSGD with on_failure="continue" under ULFM, 4 workers, learning rate 0, its gossip
+    uncompressed or compressed: worker 0 (active, between two averagings) or 1 (passive,
+    holding its lock while requests wait) is killed; the 3 survivors take all their steps,
+    and their sum is the initial sum less the dead worker's model (the averagings in flight
+    abandoned or completed on both ends; compressed, the survivors' edges start anew, both
+    ends' copies alike)."""
     needs_ulfm()
 
     def go() -> tuple[subprocess.CompletedProcess, float]:
         # Open MPI may drop what a killed rank wrote last: the kill's time is its model file's.
         env = {"FAILURE_DIR": str(tmp_path)}
-        proc = ulfm_job(["survive", role], env)
+        proc = ulfm_job(["survive", role, *([compression] if compression else [])], env)
         return proc, time.time() - (tmp_path / "dead.npy").stat().st_mtime
 
     proc, after = on_rank0_quietly(go)

@@ -14,8 +14,8 @@ Modes:
   thread KIND  a service thread raises: ``budget`` (the step budget's counting thread,
            rank 0), ``group-generator`` (P-Reduce's, rank 0), ``server`` (AD-PSGD's,
            on a passive worker); without that ending the job, it ends normally in 20 s.
-  survive ROLE  AD-PSGD with on_failure="continue" on 4 ranks, learning rate 0, random
-           float64 models: rank 0 (ROLE ``active``: between two of its averagings) or
+  survive ROLE [COMPRESSION]  AD-PSGD with on_failure="continue" on 4 ranks, learning
+           rate 0, random float64 models (compressed gossip with COMPRESSION): rank 0 (ROLE ``active``: between two of its averagings) or
            rank 1 (``passive``: holding its model's lock, while requests wait for it)
            kills itself (SIGKILL) in its step 20, having written its model into
            $FAILURE_DIR; the survivors take their 100 steps, close, and print
@@ -227,7 +227,10 @@ if mode == "survive":
     rng = np.random.default_rng([7, rank])
     x = rng.standard_normal(100)  # 800 bytes: every message is sent eagerly
     total = comm.allreduce(x)
-    algo = algorithms.create("adpsgd", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, on_failure="continue")
+    gossip = {"compression": sys.argv[3]} if len(sys.argv) > 3 else {}
+    algo = algorithms.create(
+        "adpsgd", x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, on_failure="continue", **gossip
+    )
     for step in range(100):
         if step == 20 and rank == victim:
             if victim == 0 and algo._background is not None and algo._background.pending:
