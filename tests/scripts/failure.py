@@ -15,8 +15,9 @@ Modes:
            rank 0), ``group-generator`` (P-Reduce's, rank 0), ``server`` (AD-PSGD's,
            on a passive worker); without that ending the job, it ends normally in 20 s.
   survive ROLE [COMPRESSION]  AD-PSGD with on_failure="continue" on 4 ranks, learning
-           rate 0, random float64 models (compressed gossip with COMPRESSION): rank 0 (ROLE ``active``: between two of its averagings) or
-           rank 1 (``passive``: holding its model's lock, while requests wait for it)
+           rate 0, random float64 models (compressed gossip with COMPRESSION): rank 0
+           (ROLE ``active``: between two of its averagings) or rank 1 (``passive``:
+           holding its model's lock, while requests wait for it)
            kills itself (SIGKILL) in its step 20, having written its model into
            $FAILURE_DIR; the survivors take their 100 steps, close, and print
            ``failure.py: survivors SUM_ERROR LOST SIZE``: the largest difference between
