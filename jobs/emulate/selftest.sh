@@ -17,7 +17,7 @@
 #  5. takes the cluster down and looks, independently of cluster.py, for
 #     anything left: namespaces, links, /etc/netns entries, the record;
 #  6. brings 8 nodes up and runs the heterogeneity smoke test (scale.py --smoke:
-#     8 paced workers, one 4x slow, AllReduce-SGD and AD-PSGD, one short epoch
+#     8 paced workers, one 4x slow, AllReduce-SGD and AD-PSGD on numpy, one short epoch
 #     of Fashion-MNIST, under SMOKE_TIMEOUT seconds, default 420), then takes
 #     them down and looks once more.
 # Exit status 0 when all of it passed. The cluster is taken down on failure
