@@ -14,15 +14,15 @@ could not be fetched.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mpi4py import MPI
 
-from . import __version__, bench, compare, fetch, info, stepbench, train
+from . import __version__
 from .runtime import init
-from .simulate import cli as simulate
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -87,70 +87,69 @@ class _Parser(argparse.ArgumentParser):
         super().exit(status, message if MPI.COMM_WORLD.Get_rank() == 0 else None)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``mpidl`` command and its subcommands."""
+#: The subcommands: name -> (module, one-line help, whether it runs as an MPI job). Each
+#: module has ``add_arguments(parser)`` and ``main(args)``; a command line imports only the
+#: module it names (every rank of a large job would otherwise import all of them, at a
+#: cost in start-up time and in load on a shared file system).
+COMMANDS: dict[str, tuple[str, str, bool]] = {
+    "info": ("mpidl.info", "report the MPI library, ranks, node layout, torch, CUDA, GPUs", True),
+    "bench": ("mpidl.bench", "time the all-reduce algorithms against native MPI_Allreduce", True),
+    "step-bench": (
+        "mpidl.stepbench",
+        "time a training step: local, communication alone, mpidl with and without overlap, DDP",
+        True,
+    ),
+    "train": ("mpidl.train", "train a model with a data-parallel algorithm, metrics per epoch", True),
+    "compare": ("mpidl.compare", "compare mpidl train runs (JSON) by their time to a target accuracy", True),
+    "simulate": (
+        "mpidl.simulate.cli",
+        "simulate an algorithm on n workers in virtual time, one process (real gradients, modelled network)",
+        False,
+    ),
+}
+#: ``mpidl data``'s subcommands, as :data:`COMMANDS`.
+DATA_COMMANDS: dict[str, tuple[str, str, bool]] = {
+    "fetch": ("mpidl.fetch", "download an IDX dataset's files and check their SHA-256", False),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of the ``mpidl`` command and its subcommands: every subcommand's
+    options, or with ``command`` (a name of :data:`COMMANDS` or ``data``) only its own (the
+    others listed, their modules not imported)."""
     parser = _Parser(prog="mpidl", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"mpidl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("info", help="report the MPI library, ranks, node layout, torch, CUDA, GPUs")
-    info.add_arguments(p)
-    p.set_defaults(run=info.main)
-    p = sub.add_parser(
-        "bench",
-        help="time the all-reduce algorithms against native MPI_Allreduce",
-        description=bench.__doc__.split("\n\n")[0],
-    )
-    bench.add_arguments(p)
-    p.set_defaults(run=bench.main)
-    p = sub.add_parser(
-        "step-bench",
-        help="time a training step: local, communication alone, mpidl with and without overlap, DDP",
-        description=stepbench.__doc__.split("\n\n")[0],
-    )
-    stepbench.add_arguments(p)
-    p.set_defaults(run=stepbench.main)
-    p = sub.add_parser(
-        "train",
-        help="train a model with a data-parallel algorithm, metrics per epoch",
-        description=train.__doc__.split("\n\n")[0],
-    )
-    train.add_arguments(p)
-    p.set_defaults(run=train.main)
-    p = sub.add_parser(
-        "compare",
-        help="compare mpidl train runs (JSON) by their time to a target accuracy",
-        description=compare.__doc__.split("\n\n")[0],
-    )
-    compare.add_arguments(p)
-    p.set_defaults(run=compare.main)
-    p = sub.add_parser(
-        "simulate",
-        help="simulate an algorithm on n workers in virtual time, one process (real gradients, modelled network)",
-        description=simulate.__doc__.split("\n\n")[0],
-    )
-    simulate.add_arguments(p)
-    p.set_defaults(run=simulate.main, mpi=False)
+    _add_commands(sub, COMMANDS, command)
     p = sub.add_parser("data", help="get the datasets mpidl train reads (fetch)")
     data_sub = p.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
-    p = data_sub.add_parser(
-        "fetch",
-        help="download an IDX dataset's files and check their SHA-256",
-        description=fetch.__doc__.split("\n\n")[0],
-    )
-    fetch.add_arguments(p)
-    p.set_defaults(run=fetch.main, mpi=False)
+    _add_commands(data_sub, DATA_COMMANDS, None if command in (None, "data") else "")
     return parser
+
+
+def _add_commands(sub: Any, commands: dict[str, tuple[str, str, bool]], only: str | None) -> None:
+    """A subparser for each of ``commands``, with its module's options where ``only`` is None
+    or names it."""
+    for name, (module_name, help_text, mpi) in commands.items():
+        p = sub.add_parser(name, help=help_text)
+        if only is None or only == name:
+            module = importlib.import_module(module_name)
+            p.description = (module.__doc__ or "").split("\n\n")[0]
+            module.add_arguments(p)
+            p.set_defaults(run=module.main, mpi=mpi)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mpidl`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    if getattr(args, "mpi", True):
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = words[0] if words and (words[0] in COMMANDS or words[0] == "data") else None
+    args = build_parser(command).parse_args(words)
+    if args.mpi:
         init(stall_warn=STALL_WARN, stall_abort=STALL_ABORT)
     return int(args.run(args) or 0)
 
 
-__all__ = ["STALL_ABORT", "STALL_WARN", "build_parser", "main"]
+__all__ = ["COMMANDS", "DATA_COMMANDS", "STALL_ABORT", "STALL_WARN", "build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

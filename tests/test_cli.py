@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from mpi4py import MPI
-from mpitest import mpiexec, on_rank0_quietly
+from mpitest import clean_env, mpiexec, on_rank0_quietly
 
 import collectives
 from mpidl import __version__, cli, info
@@ -70,6 +70,23 @@ def test_switches_take_no_and_the_old_on_off_for_now(capsys: pytest.CaptureFixtu
         assert err == ""
     assert parser.parse_args(["train", "--no-local-momentum"]).local_momentum is False
     assert parser.parse_args(["train"]).algorithm == "allreduce"
+
+
+def test_a_command_imports_only_its_own_module() -> None:
+    """``mpidl train`` (every rank of a job runs it) imports ``mpidl.train`` alone of the
+    subcommands' modules; the parser of every command, as without a command, has them all."""
+    modules = [m for m, _, _ in [*cli.COMMANDS.values(), *cli.DATA_COMMANDS.values()]]
+    code = "import sys; from mpidl import cli; cli.build_parser(sys.argv[1])"
+    code += f"; print(*[m for m in {modules!r} if m in sys.modules])"
+
+    def imported(command: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, env=clean_env())
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    assert on_rank0_quietly(imported, "train") == ["mpidl.train"]
+    assert on_rank0_quietly(imported, "data") == ["mpidl.fetch"]
+    assert cli.build_parser().parse_args(["data", "fetch"]).run.__module__ == "mpidl.fetch"
 
 
 def test_the_wheel_carries_the_type_hints(tmp_path_factory: pytest.TempPathFactory) -> None:
