@@ -590,8 +590,9 @@ RAISED=('re:^mpidl: rank 1 failed; aborting the job' 're:RuntimeError: injected 
 STALLED=('re:has waited [0-9]+ s in allreduce.* for rank\(s\) ([0-9]+, )*1(, [0-9]+)* of MPI_COMM_WORLD'
     "re:aborting the job \\(stall limit MPIDL_STALL_ABORT=$STALL_ABORT s\\)")
 TRAIN_ALGORITHMS=""   # what the installed mpidl train offers (make_venv)
-# A job that survives a death (survive_job): AD-PSGD on 4 ranks, rank 1 killed in its
-# 10th step; the 3 survivors finish the 3 epochs and leave nothing behind.
+# A job that survives a death (survive_job): AD-PSGD on 4 ranks, rank 1 killed after 3
+# steps (failure.sbatch's FAILURE_DIE); the 3 survivors finish the 3 epochs and leave
+# nothing behind.
 SURVIVED=(within:120 clean 're:^# epoch [0-9]+: worker\(s\) 1 of MPI_COMM_WORLD died; 3 continue'
     're:^final: test accuracy'
     'jsonpy:train-adpsgd.json:[e["epoch"] for e in r["epochs"]] == [1, 2, 3] and [(f["lost"], f["workers"]) for f in r["failures"]] == [([1], 3)]')
