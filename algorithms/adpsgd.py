@@ -409,6 +409,11 @@ class ADPSGD(Algorithm):
         survivors, lost = faults.recover(old, "AD-PSGD", agreed)
         self._reconcile(survivors)
         old.Free()
+        if not lost:  # a false alarm (faults.false_alarm): the same workers, graph and communicator
+            self._comm = survivors
+            faults.false_alarm("AD-PSGD", self.rank)
+            self._start_threads()
+            return
         self.lost += lost
         self.comm, self.rank, self.size = survivors, survivors.Get_rank(), survivors.Get_size()
         self._comm = faults.returning(survivors.Dup())

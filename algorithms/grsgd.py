@@ -285,8 +285,14 @@ class GRSGD(Algorithm):
             faults.drain(edge.pending)
             edge.pending = []
         survivors, lost = faults.recover(old, "GR-SGD", agreed)
+        public = self.comm
         self._relink(survivors)
         old.Free()
+        if not lost:  # a false alarm (faults.false_alarm): the same ring, on the caller's communicator
+            survivors.Free()
+            self.comm = public
+            faults.false_alarm("GR-SGD", self.rank)
+            return
         self.lost += lost
         if self.rank == 0:
             faults.warn(

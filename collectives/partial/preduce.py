@@ -510,9 +510,14 @@ class PReduce:
         service = self._world[self._service_rank]
         for comm in old:
             comm.Free()
+        world = p2p.world_ranks(survivors)
+        if not lost:  # a false alarm (faults.false_alarm): the same workers, on the caller's communicator
+            self._connect(survivors, self.comm, world.index(service))
+            survivors.Free()
+            faults.false_alarm("P-Reduce", self.rank)
+            return
         self.lost += lost
         self.comm = survivors
-        world = p2p.world_ranks(survivors)
         self._connect(survivors, survivors, world.index(service) if service in world else 0)
         if self.rank == 0:
             moved = "" if service in world else f", restarted on rank {world[0]} of MPI_COMM_WORLD"

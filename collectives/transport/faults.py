@@ -248,6 +248,16 @@ def recover(comm: MPI.Comm, who: str, agreed: bool = False) -> tuple[MPI.Intraco
         return shrink(comm)
 
 
+def false_alarm(who: str, rank: int) -> None:
+    """Say (rank 0) that ``who``'s recovery found every worker alive: the agreement that
+    ends a settle (``MPI_Comm_agree``) answered false with every rank passing true and no
+    process failed (seen under Open MPI 5.0.11 on a loaded machine: docs/failures.rst).
+    The caller goes on with the same workers on the caller's communicator; only the
+    exchanges the recovery interrupted were settled, as after a death."""
+    if rank == 0:
+        warn(f"{who}: a recovery found no worker dead (the agreement failed without a failure); all continue")
+
+
 def warn(message: str) -> None:
     """A warning on the ``collectives.faults`` logger (to stderr in the same form where
     logging is not configured)."""

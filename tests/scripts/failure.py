@@ -23,6 +23,12 @@ Modes:
            ``failure.py: survivors SUM_ERROR LOST SIZE``: the largest difference between
            the survivors' sum and the initial sum less the dead worker's model, the
            world ranks lost, the survivors' communicator size.
+  false-alarm NAME  AD-PSGD, Prague (smart pairs) or GR-SGD with on_failure="continue" on
+           4 ranks, learning rate 0, random float64 models, a settle every 20 of 60 steps:
+           no one dies, but the second agreement that ends a settle answers false on every
+           rank; prints ``failure.py: false alarm NAME agreements K same S error E``: S
+           whether the algorithm kept the caller's communicator and lost no one, E the
+           largest difference of the workers' sum from the initial one.
   trials SEED  AD-PSGD as in ``survive``, 4 ranks: two workers die one after the other,
            at the points of an averaging that SEED gives them in turns (KILL_POINTS:
            an active worker before it sends, during the averaging (both models
@@ -219,6 +225,41 @@ if mode == "train":
 
         train._Run.load_algorithm_state = load_and_save
     sys.exit(cli.main(["train", *sys.argv[2:]]))
+
+if mode == "false-alarm":
+    import algorithms
+    from collectives.transport import faults
+
+    # No one dies, but the second agreement that ends a settle answers false on every rank
+    # (as Open MPI's MPI_Comm_agree was seen to, docs/failures.rst): the recovery finds every
+    # worker alive, and the same workers go on, on the caller's communicator.
+    name = sys.argv[2]
+    faulthandler.dump_traceback_later(40)
+    rng = np.random.default_rng([11, rank])
+    x = rng.standard_normal(100)
+    total = comm.allreduce(x)
+    options = {"policy": "smart"} if name == "prague" else {}
+    algo = algorithms.create(
+        name, x, algorithms.SGD(x, lr=0.0), comm, broadcast_init=False, on_failure="continue", **options
+    )
+    agree, calls = faults.agree, [0]
+
+    def agree_falsely(c: Any, flag: bool) -> bool:
+        calls[0] += 1
+        return agree(c, flag) and calls[0] != 2
+
+    faults.agree = agree_falsely
+    for step in range(60):
+        time.sleep(rng.uniform(0, 2e-3))
+        algo.step(np.zeros_like(x))
+        if step % 20 == 19:
+            algo.settle()
+    algo.close()
+    error = float(np.abs(comm.allreduce(x) - total).max())
+    same = algo.comm is comm and algo.lost == [] and algo.size == comm.Get_size()
+    if rank == 0:
+        print(f"failure.py: false alarm {name} agreements {calls[0]} same {same} error {error:.3g}", flush=True)
+    sys.exit(0)
 
 if mode == "survive":
     import algorithms
