@@ -49,6 +49,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shm_segments import remove_orphaned_segments, segments
+
 ROOT = Path(__file__).resolve().parent.parent
 CI_SCRIPT = ROOT / ".ci" / "run"
 DEFAULT_TIMEOUT = 120.0
@@ -300,8 +302,10 @@ def scratch_root(directory: Path, root: Path = ROOT) -> Path:
 
 def run_command(command: str, cwd: Path, timeout: float, env: Mapping[str, str]) -> tuple[int | None, str, str, float]:
     """Run ``command`` in a fresh bash; (exit status or None on timeout, stdout, stderr, seconds).
-    On timeout the whole process group (mpiexec and its ranks) is killed."""
+    On timeout the whole process group (mpiexec and its ranks) is killed; MPICH's segments
+    that a killed or aborted job left in /dev/shm are removed."""
     t0 = time.monotonic()
+    before = segments()
     proc = subprocess.Popen(
         ["bash", "-c", command],
         cwd=cwd,
@@ -319,6 +323,7 @@ def run_command(command: str, cwd: Path, timeout: float, env: Mapping[str, str])
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         status = None
+    remove_orphaned_segments(before)  # what an aborted or killed MPICH job left in /dev/shm
     return status, out, err, time.monotonic() - t0
 
 

@@ -3,7 +3,6 @@ and launching a script under a separate ``mpiexec`` for 5..8 ranks."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import shutil
@@ -15,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 from mpi4py import MPI
+from shm_segments import remove_orphaned_segments, segments
 
 _SPLITS: dict[int, MPI.Intracomm] = {}
 
@@ -91,47 +91,11 @@ def mpiexec(
     if hosts:
         cmd += ["-launcher", "fork", "-hosts", hosts]
     cmd += [sys.executable, *args]
-    before = _segments()
+    before = segments()
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(env))
     finally:
         remove_orphaned_segments(before)
-
-
-#: Where MPICH keeps its shared-memory segments, and their names' prefix.
-SHM, SEGMENT = "/dev/shm", "mpich_shm_"
-
-
-def _segments() -> set[str]:
-    """MPICH's shared-memory segment files now in :data:`SHM`."""
-    try:
-        return {name for name in os.listdir(SHM) if name.startswith(SEGMENT)}
-    except OSError:
-        return set()
-
-
-def _mapped() -> set[str]:
-    """The files of :data:`SHM` that some live process maps."""
-    mapped = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
-                mapped.update(line.split(SHM + "/", 1)[1].split()[0] for line in maps if SHM + "/" in line)
-        except OSError:  # the process ended, or is not ours to read
-            continue
-    return mapped
-
-
-def remove_orphaned_segments(before: set[str]) -> list[str]:
-    """Remove MPICH's segments that appeared since ``before`` and that no live process
-    maps: a job whose ranks were killed (``MPI_Abort``, SIGKILL) leaves them, as MPICH
-    removes them only when its ranks end cleanly. Returns the names removed."""
-    new = _segments() - before
-    orphans = sorted(new - _mapped()) if new else []  # reading every process's maps only when needed
-    for name in orphans:
-        with contextlib.suppress(OSError):  # removed meanwhile
-            os.unlink(os.path.join(SHM, name))
-    return orphans
 
 
 def on_rank0_quietly(fn, *args, **kwargs):

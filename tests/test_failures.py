@@ -13,9 +13,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import mpitest
 import numpy as np
 import pytest
+import shm_segments
 from mpi4py import MPI
 from mpitest import mpiexec, on_rank0_quietly
 
@@ -568,17 +568,19 @@ def test_orphaned_segments_are_removed_and_mapped_ones_kept() -> None:
     """The test helper removes MPICH segments of killed jobs (new, mapped by no live
     process) and never one that a live process maps (on rank 0 alone: another rank's
     files would be new to it too)."""
-    if not os.path.isdir(mpitest.SHM):
-        pytest.skip(f"no {mpitest.SHM}")
+    if not os.path.isdir(shm_segments.SHM):
+        pytest.skip(f"no {shm_segments.SHM}")
 
     def check() -> tuple[list[str], bool, bool]:
-        before = mpitest._segments()
-        orphan, live = (os.path.join(mpitest.SHM, f"{mpitest.SEGMENT}test_{os.getpid()}_{k}") for k in ("a", "b"))
+        before = shm_segments.segments()
+        orphan, live = (
+            os.path.join(shm_segments.SHM, f"{shm_segments.SEGMENT}test_{os.getpid()}_{k}") for k in ("a", "b")
+        )
         for path in (orphan, live):
             with open(path, "wb") as f:
                 f.write(b"\0" * 4096)
         with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096):
-            removed = [name for name in mpitest.remove_orphaned_segments(before) if f"test_{os.getpid()}_" in name]
+            removed = [name for name in shm_segments.remove_orphaned_segments(before) if f"test_{os.getpid()}_" in name]
             kept = os.path.exists(live)
         os.unlink(live)
         return removed, kept, os.path.exists(orphan)
