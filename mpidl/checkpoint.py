@@ -61,7 +61,7 @@ def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def _replace_atomically(path: str, write: Any) -> None:
+def replace_atomically(path: str, write: Any) -> None:
     """Call ``write(file)`` on a temporary file beside ``path``, fsync it, rename it to
     ``path`` and fsync the folder (so that the rename is durable too)."""
     folder = os.path.dirname(path) or "."
@@ -83,7 +83,7 @@ def _replace_atomically(path: str, write: Any) -> None:
 
 
 def _remove_temporaries(folder: str) -> None:
-    """Remove the temporary files of :func:`_replace_atomically` in ``folder`` (writers killed
+    """Remove the temporary files of :func:`replace_atomically` in ``folder`` (writers killed
     before their rename: call it only when no writer can be active there)."""
     for name in os.listdir(folder):
         if name.startswith(_TMP):
@@ -106,14 +106,14 @@ def save(directory: str, step: int, comm: MPI.Comm, arrays: dict[str, np.ndarray
     def write() -> None:
         os.makedirs(folder, exist_ok=True)
         blob = {**arrays, _INFO: np.array(json.dumps(info))}
-        _replace_atomically(os.path.join(folder, f"rank-{comm.Get_rank()}.npz"), lambda f: np.savez(f, **blob))  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
+        replace_atomically(os.path.join(folder, f"rank-{comm.Get_rank()}.npz"), lambda f: np.savez(f, **blob))  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
 
     def publish() -> None:
         if comm.Get_rank() != 0:
             return
         _remove_temporaries(folder)
         _remove_temporaries(directory)
-        _replace_atomically(os.path.join(directory, _LATEST), lambda f: f.write(step_name(step).encode()))
+        replace_atomically(os.path.join(directory, _LATEST), lambda f: f.write(step_name(step).encode()))
         done = sorted((int(m[1]), name) for name in os.listdir(directory) if (m := _STEP.fullmatch(name)))
         # Newer folders are a run that was resumed from an earlier checkpoint (possibly half
         # written): they are gone. Of the rest, the newest KEEP stay.

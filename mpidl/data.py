@@ -57,12 +57,12 @@ that no sample is used twice; a different one each epoch).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import itertools
 import math
 import operator
 import os
-import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterator, Sized
@@ -73,6 +73,8 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives.tuning import cache
+
+from . import checkpoint
 
 #: Seed of the digits train/test split (fixed, so every run tests on the same images).
 SPLIT_SEED = 0
@@ -236,20 +238,11 @@ def load_digits() -> Dataset:
 
 
 def _keep(path: str, arrays: list[np.ndarray]) -> None:
-    """Write ``arrays`` to the npz file ``path`` as ``arr_0``, ``arr_1``, ... (atomically: a concurrent reader sees the
-    old file or the whole new one); nothing where the folder cannot be written."""
-    folder = os.path.dirname(path)
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".npz")
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, *arrays)
-        os.replace(tmp, path)
-    except OSError:
-        os.unlink(tmp)
+    """Write ``arrays`` to the npz file ``path`` as ``arr_0``, ``arr_1``, ... atomically
+    (:func:`mpidl.checkpoint.replace_atomically`); nothing where the folder cannot be written."""
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        checkpoint.replace_atomically(path, lambda f: np.savez(f, *arrays))
 
 
 def _split_digits() -> list[np.ndarray]:
