@@ -223,7 +223,7 @@ def _power_step(compressor: Any, inputs: np.ndarray) -> np.ndarray:
 #: Compressors that allocate buffer-sized device memory per step, and why (measured on an
 #: H100 with CuPy 14, 2026-11-25); :func:`device_allocations` reports them apart.
 DEVICE_ALLOCATES = {
-    "topk": "CuPy's partition sorts a copy of the magnitudes",
+    "topk": "where the sampled threshold misses, CuPy's partition sorts a copy of the magnitudes",
     "powersgd": "cuSOLVER's QR takes a workspace per call",
 }
 
