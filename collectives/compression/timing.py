@@ -6,7 +6,10 @@ reusable memory, so the timed steps allocate nothing of the buffer's size);
 :func:`mlp_shapes` gives PowerSGD a plausible layout for a buffer of a given
 length. As a script it prints a table for every compressor::
 
-    python -m collectives.compression.timing [--size 16.6MiB] [--repeat 5]
+    python -m collectives.compression.timing [--size 16.6MiB] [--repeat 5] [--zeros 0.6]
+
+(``--zeros``: that fraction of the elements zero, at random places, as in
+the gradient of a layer after a ReLU.)
 """
 
 from __future__ import annotations
@@ -35,10 +38,15 @@ class CodecTiming(NamedTuple):
     payload_nbytes: int
 
 
-def time_codec(compressor: Compressor, length: int, dtype: str = "float32", repeat: int = 5) -> CodecTiming:
+def time_codec(
+    compressor: Compressor, length: int, dtype: str = "float32", repeat: int = 5, zeros: float = 0.0
+) -> CodecTiming:
     """Time ``compressor`` on a buffer of ``length`` normal values of ``dtype`` (numpy;
-    bfloat16 as a torch tensor)."""
-    values = np.random.default_rng(0).standard_normal(length, dtype=np.float32)
+    bfloat16 as a torch tensor), a fraction ``zeros`` of them (at random) set to zero."""
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(length, dtype=np.float32)
+    if zeros:
+        values[rng.random(length) < zeros] = 0
     buf: Any = values.astype(dtype) if dtype != "bfloat16" else None
     if buf is None:
         import torch
@@ -80,14 +88,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--specs", default=",".join(SPECS), help=f"compressors, of {', '.join(COMPRESSORS)}")
+    parser.add_argument("--zeros", type=float, default=0.0, help="fraction of the elements set to zero (default 0)")
     args = parser.parse_args(argv)
     itemsize = 2 if args.dtype == "bfloat16" else np.dtype(args.dtype).itemsize
     length = _nbytes(args.size) // itemsize
-    print(f"{length} {args.dtype} elements, median of {args.repeat}")
+    print(f"{length} {args.dtype} elements ({args.zeros:.0%} zero), median of {args.repeat}")
     print(f"{'compressor':<14}{'compress ms':>12}{'decompress ms':>15}{'payload':>12}{'of input':>10}")
     for spec in args.specs.split(","):
         options = {"shapes": mlp_shapes(length)} if spec.startswith("powersgd") else {}
-        t = time_codec(create(spec, **options), length, args.dtype, args.repeat)
+        t = time_codec(create(spec, **options), length, args.dtype, args.repeat, args.zeros)
         whole = length * itemsize
         print(
             f"{spec:<14}{t.compress_s * 1e3:>12.1f}{t.decompress_s * 1e3:>15.1f}"
