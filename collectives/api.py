@@ -264,7 +264,8 @@ def allreduce(
         ArgumentError: invalid or disagreeing arguments; with validation on,
             raised on every rank before any data moved (``buf`` untouched).
     """
-    collective = renamed_keyword("allreduce", "algorithm", "collective", algorithm, collective, DEFAULT_COLLECTIVE)
+    if algorithm is not None:
+        collective = renamed_keyword("allreduce", "algorithm", "collective", algorithm, collective, DEFAULT_COLLECTIVE)
     user = _WORLD if comm is None else comm
     ctx = context(user)
     check = validation.enabled(validate)

@@ -105,7 +105,6 @@ MPI_LIBRARY = -2
 class _Sent(threading.local):
     """What one thread sent: in all, and by destination (world rank)."""
 
-    total = 0
     slot: watchdog.Slot | None = None
     poll = False  # this thread's waits poll (poll_waits)
 
@@ -157,7 +156,7 @@ def waiting(comm: MPI.Comm, peers: tuple[int, ...] | None = None) -> Iterator[No
 
 def bytes_sent() -> int:
     """Payload bytes this thread has sent through this module since it started."""
-    return _sent.total
+    return sum(_sent.by_peer.values())
 
 
 def bytes_by_peer() -> dict[int, int]:
@@ -192,8 +191,7 @@ def world_ranks(comm: Any) -> Sequence[int]:
 
 def _count(dest: int, nbytes: int) -> None:
     """Count ``nbytes`` sent to ``dest`` (a world rank) by this thread."""
-    _sent.total += nbytes
-    by_peer = _sent.by_peer
+    by_peer = _sent.by_peer  # one look-up of the thread's state: the hot path of small messages
     by_peer[dest] = by_peer.get(dest, 0) + nbytes
 
 
