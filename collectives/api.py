@@ -266,7 +266,82 @@ def allreduce(
     """
     if algorithm is not None:
         collective = renamed_keyword("allreduce", "algorithm", "collective", algorithm, collective, DEFAULT_COLLECTIVE)
-    user = _WORLD if comm is None else comm
+    call, x = _resolve(buf, _WORLD if comm is None else comm, op, collective, validate, layout, grid)
+    p2p.operation(call.operation)
+    call(x)
+    return buf
+
+
+class PersistentAllreduce:
+    """An all-reduce of one buffer with fixed arguments, resolved once
+    (:func:`allreduce_init`): calling it reduces the buffer in place and returns
+    it, as ``allreduce(buf, comm, op, collective, ...)`` would, without the
+    entry point's look-ups on every call (the buffer's layout, the call's
+    arguments), as MPI-4's persistent collectives (``MPI_Allreduce_init``) fix
+    theirs. What the arguments decide is the same: the algorithm (for "auto",
+    chosen at the first call of that size, as for :func:`allreduce`), and the
+    argument check, which with validation on still runs on every call (in the
+    shared segment on one node, where it costs no extra synchronisation), so a
+    rank calling another persistent all-reduce raises instead of hanging.
+
+    The buffer must keep its memory while the handle is used (no resizing or
+    reallocation of the tensor; writing its values is the point).
+    """
+
+    __slots__ = ("_buf", "_call", "_x")
+
+    def __init__(self, buf: Any, call: _Call, x: Any) -> None:
+        self._buf, self._call, self._x = buf, call, x
+
+    def __call__(self) -> Any:
+        """Reduce the buffer in place across the communicator (collective) and return it."""
+        call = self._call
+        p2p.operation(call.operation)
+        call(self._x)
+        return self._buf
+
+
+def allreduce_init(
+    buf: Any,
+    comm: MPI.Comm | None = None,
+    op: str = "sum",
+    collective: str = DEFAULT_COLLECTIVE,
+    *,
+    validate: bool | None = None,
+    layout: RanksPerNode = None,
+    grid: tuple[int, int] | None = None,
+) -> PersistentAllreduce:
+    """A :class:`PersistentAllreduce` of ``buf``: calling it does what
+    ``allreduce(buf, comm, op, collective, validate=..., layout=..., grid=...)``
+    does, for a small vector in less time (docs/performance.rst).
+
+    Arguments as for :func:`allreduce`. With validation on, collective over
+    ``comm``, as ``MPI_Allreduce_init``: every rank makes the handle with the
+    same arguments, which are checked across ranks here (and again on every
+    call); without it, local. ``buf`` is not touched.
+
+    Raises:
+        ArgumentError: invalid or (with validation on) disagreeing arguments, on
+            every rank together.
+    """
+    call, x = _resolve(buf, _WORLD if comm is None else comm, op, collective, validate, layout, grid)
+    if call.validate:
+        validation.check(call.ctx, "allreduce", None, call.signature, _field_names, fields=_FIELDS)
+    return PersistentAllreduce(buf, call, x)
+
+
+def _resolve(
+    buf: Any,
+    user: MPI.Comm,
+    op: str,
+    collective: str,
+    validate: bool | None,
+    layout: RanksPerNode,
+    grid: tuple[int, int] | None,
+) -> tuple[_Call, Any]:
+    """The resolved call of these arguments (kept per communicator, :data:`_CALLS`) and
+    ``buf``'s flat view. A bad argument is raised as an ArgumentError, with validation
+    on on every rank of ``user`` together (collective then)."""
     ctx = context(user)
     check = validation.enabled(validate)
     try:
@@ -289,9 +364,7 @@ def allreduce(
         if check:
             validation.check(ctx, "allreduce", problem, (), _field_names, fields=_FIELDS)
         raise
-    p2p.operation(call.operation)
-    call(x)
-    return buf
+    return call, x
 
 
 def broadcast(buf: Any, comm: MPI.Comm | None = None, *, root: int = 0, validate: bool | None = None) -> Any:

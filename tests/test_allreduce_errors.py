@@ -53,6 +53,23 @@ def test_length_mismatch_across_the_fused_limit() -> None:
     assert np.all(x == 1)
 
 
+def test_persistent_allreduce_arguments_are_checked_when_made_and_when_called() -> None:
+    """Making persistent all-reduces of different lengths, or of a bad buffer on one rank,
+    raises on every rank together; ranks calling different handles get the check's error
+    as with ``allreduce``, buffers untouched."""
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        pytest.skip("needs two ranks")
+    x = np.ones(one_rank_differs(6, 5), dtype=np.float32)
+    expect_same_error(lambda: collectives.allreduce_init(x, comm, "sum", "auto"), "length differs")
+    bad = one_rank_differs(np.arange(4.0), np.arange(8.0)[::2])
+    expect_same_error(lambda: collectives.allreduce_init(bad, comm), "not C-contiguous")
+    six, five = np.ones(6, np.float32), np.ones(5, np.float32)
+    handles = [collectives.allreduce_init(six, comm), collectives.allreduce_init(five, comm)]
+    expect_same_error(one_rank_differs(*handles), "length differs", "no data moved")
+    assert np.all(six == 1) and np.all(five == 1)
+
+
 def test_algorithm_mismatch() -> None:
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 2:
