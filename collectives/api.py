@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from collections.abc import Hashable
 from typing import Any, Callable
 
@@ -42,8 +43,10 @@ from .transport.buffers import DTYPE_CODES, FlatBuffer, array_module, as_flat, d
 from .transport.context import Context, context
 from .transport.ops import OPS, Reduction, reduction
 from .tuning import calibration, costmodel
+from .tuning.costmodel import Choice
 from .tuning.online import Session
 from .tuning.selector import Selector
+from .tuning.watch import Watch
 
 log = logging.getLogger("collectives.auto")
 
@@ -56,24 +59,25 @@ class _Auto:
     def __init__(self, req: Request) -> None:
         comm, lay = req.comm, node_layout(req.comm, req.layout)
         self.selector = Selector(req, lay, lambda xp: _params(comm, lay, req.ctx, xp))
-        self.chosen: dict[tuple[int, Any, bool, bool], str] = {}
+        self.chosen: dict[tuple[int, Any, bool, bool], tuple[str, Watch | None]] = {}
         self.tuning: dict[tuple[int, Any, bool, bool], Session] = {}
 
     def decided(self, x: Any, red: Reduction, validate: bool) -> bool:
         """Whether the algorithm for ``x`` (size, memory, dtype) is chosen already (local)."""
         return _key(x, red, validate) in self.chosen
 
-    def resolve(self, x: Any, red: Reduction, validate: bool) -> tuple[str | None, Run]:
-        """The algorithm for ``x`` and its plan, chosen once per case (logged at DEBUG);
-        while the size band is tuned online, (None, the tuning) runs the call instead.
-        Collective where it measures, loads or tunes (:class:`Selector`)."""
+    def resolve(self, x: Any, red: Reduction, validate: bool) -> tuple[str | None, Run, Watch | None]:
+        """The algorithm for ``x``, its plan and the watch on it (None where the choice is
+        not watched), chosen once per case (logged at DEBUG) and again after a drift;
+        while the size band is tuned online, (None, the tuning, None) runs the call
+        instead. Collective where it measures, loads, tunes or watches (:class:`Selector`)."""
         key = _key(x, red, validate)
-        name = self.chosen.get(key)
-        if name is None:
+        chosen = self.chosen.get(key)
+        if chosen is None:
             session = self.tuning.get(key)
             if session is not None:
                 if session.result is None:
-                    return None, session
+                    return None, session, None
                 del self.tuning[key]
             _, xp, _, dtype_ok = key
             choice = self.selector.choose(x.nbytes, xp, validate, dtype_ok)
@@ -81,13 +85,24 @@ class _Auto:
             session = self.selector.session(choice, xp, dtype_ok)
             if session is not None and not session.deterministic:
                 self.tuning[key] = session
-                return None, session
+                return None, session, None
             if session is not None:
                 session.rehearse(x, red)
                 choice = self.selector.choose(x.nbytes, xp, validate, dtype_ok)
                 log.debug("%s", choice.reason)
-            name = self.chosen[key] = choice.algorithm
-        return name, self.selector.runs[name]
+            choice, watch = self.selector.watch(choice, xp, validate, dtype_ok, x, red)
+            if watch is not None:
+                watch.on_drift = lambda seconds: self.drifted(key, choice, seconds)
+            chosen = self.chosen[key] = choice.algorithm, watch
+        name, watch = chosen
+        return name, self.selector.runs[name], watch
+
+    def drifted(self, key: tuple[int, Any, bool, bool], choice: Choice, seconds: float) -> None:
+        """A watch found ``choice`` (of ``key``) taking ``seconds`` a call, beyond its
+        measurement: forget both, so the next call of ``key`` chooses anew (every rank
+        learns it at the same call, :mod:`collectives.tuning.watch`)."""
+        del self.chosen[key]
+        self.selector.forget(choice, key[1], seconds)
 
     def free(self) -> None:
         """Persist what was measured and tuned (:meth:`Selector.save`)."""
@@ -127,6 +142,7 @@ class _Call:
         "run",
         "signature",
         "validate",
+        "watch",
     )
 
     def __init__(
@@ -161,11 +177,15 @@ class _Call:
         self.run: Run | None = None
         self.carrier: shm.Segment | None = None
         self.fuse = False
+        self.watch: Watch | None = None
 
     def __call__(self, x: Any) -> None:
         """All-reduce the flat array ``x`` in place (finished, e.g. averaged)."""
-        if self.run is None:
+        watch = self.watch
+        if self.run is None or (watch is not None and watch.drifted):
             self.find(x)
+            watch = self.watch
+        start = 0.0 if watch is None else time.perf_counter()
         red, seg = self.red, self.carrier
         if seg is not None:  # the check rides in the shared segment
             seg.post(self.header)
@@ -179,6 +199,8 @@ class _Call:
             if type(x) is not np.ndarray:
                 gpu.ensure(self.ctx.comm, FlatBuffer(x, red.dtype, x))
             (self.run or self.bind(x))(x, red)
+        if watch is not None:
+            watch.record(time.perf_counter() - start)
         if self.average:
             red.finalize(x, self.ctx.size)
 
@@ -197,6 +219,8 @@ class _Call:
         starts, and with it the way its check goes, is the same on every rank,
         whatever resolved calls each rank has kept (:data:`_CALLS`).
         """
+        if self.watch is not None:  # drifted: the binding is dropped, auto chooses again
+            self.run, self.carrier, self.fuse, self.watch = None, None, False, None
         plan = self.ctx.cache.get(self.plan)
         if plan is not None and (not isinstance(plan, _Auto) or plan.decided(x, self.red, self.validate)):
             self.bind(x)
@@ -209,10 +233,10 @@ class _Call:
             plan = ctx.cache[self.plan] = COLLECTIVES[self.algorithm](self.request)
         name, run = self.algorithm, plan
         if isinstance(plan, _Auto):
-            chosen, run = plan.resolve(x, self.red, self.validate)
+            chosen, run, watch = plan.resolve(x, self.red, self.validate)
             if chosen is None:  # tuned online: this call runs a candidate, and stays unbound
                 return run
-            name = chosen
+            name, self.watch = chosen, watch
             self.operation = f"allreduce(collective='auto': {name!r})"  # what the stall inspector names
             p2p.operation(self.operation)
         if self.validate and type(x) is np.ndarray and ctx.size > 1:

@@ -14,7 +14,7 @@ from mpitest import all_ok
 
 import collectives
 from collectives.transport import p2p
-from collectives.tuning import cache, online, selector, sweep
+from collectives.tuning import cache, online, selector, sweep, watch
 from collectives.tuning.table import GRID, Table, band, needed
 from mpidl import bench
 
@@ -357,3 +357,38 @@ def test_native_counts_an_estimate_and_polls_in_service_threads(dtype: str, leng
     thread.start()
     thread.join(30)
     assert all_ok(comm, ok and not thread.is_alive() and bool(np.all(y == p * (p + 1) // 2)))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_choice_slower_than_its_measurement_is_measured_anew(
+    fresh: MPI.Intracomm, measured: list[int], monkeypatch: pytest.MonkeyPatch, deterministic: bool
+) -> None:
+    """A choice whose calls take over ``DRIFT`` times what its measurement promised (here
+    the first measurement made 1000 times too fast, as a cache from a faster spell of
+    the machine would be) is measured anew, on every rank at the same call: on real
+    calls after a window of ``WINDOW`` timed calls; with deterministic tuning before the
+    first call runs (its window rehearsed on a copy). Every result is exact."""
+    if fresh.size == 1:
+        pytest.skip("one rank measures nothing")
+    monkeypatch.setattr(selector, "cores_per_rank", lambda ctx: 1.0)
+    monkeypatch.setattr(selector, "SHORTEST", 0.0)
+    monkeypatch.setattr(online, "close", lambda predictions: [])  # no online tuning, only the watch
+    collectives.set_tuning(deterministic=deterministic)
+    p, x = fresh.size, np.zeros(6 * KIB, np.float32)
+    once, twice = list(needed(x.nbytes)), list(needed(x.nbytes)) * 2
+    real = sweep.point  # measured's: it notes the size first
+    monkeypatch.setattr(
+        sweep,
+        "point",
+        lambda *args: {n: t * (1e-3 if len(measured) <= len(once) else 1.0) for n, t in real(*args).items()},
+    )
+    calls = 1 if deterministic else 2 + watch.WINDOW
+    for call in range(1, calls + 1):
+        x[:] = fresh.rank + 1
+        collectives.allreduce(x, fresh)
+        assert all_ok(fresh, bool(np.all(x == p * (p + 1) / 2)))
+        assert all_ok(fresh, measured == (twice if call == calls else once)), (call, measured)
+    choice = collectives.explain(x.nbytes, fresh)
+    assert same_everywhere(fresh, (choice.algorithm, choice.predictions))
+    assert all_ok(fresh, choice.source == "calibration" and "measured anew" in choice.reason), choice.reason

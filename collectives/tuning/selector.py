@@ -1,4 +1,4 @@
-"""``auto``'s choice on one communicator: candidates, measurements, online tuning.
+"""``auto``'s choice on one communicator: candidates, measurements, online tuning, the watch.
 
 A :class:`Selector` belongs to ``auto``'s plan on a communicator (with its
 layout and grid). Its candidates are every algorithm's plan: the
@@ -17,21 +17,25 @@ candidates close, the first calls of the size band tune among them
 (:mod:`collectives.tuning.online`), where every rank has a core of its own:
 on an oversubscribed node a single call's time is as much the scheduler's as
 the collective's, and the calibration's choice, timed over batches of calls,
-stands. What was measured or tuned is saved
-when the communicator is freed or the program ends.
+stands. Then the choice is watched (:mod:`collectives.tuning.watch`): where
+its calls take well over what was measured (the machine changed since, or
+since another process saved the measurement), the measurements it came from
+are dropped and the next call of that size measures anew. What was measured
+or tuned is saved when the communicator is freed or the program ends.
 
 With ``MPIDL_COSTMODEL`` set on rank 0, the alpha-beta model decides instead
 (:func:`collectives.tuning.costmodel.choose`, parameters from that file):
 no grid, no online tuning, and no "mpi", which the model cannot predict.
 
 Every step that communicates (loading the cache, measuring a grid size,
-starting or ending a tuning) happens at the same call on every rank, after
-the argument check passed, and every rank holds the same table, so every
-rank makes the same choices.
+starting or ending a tuning, a watch's agreement) happens at the same call
+on every rank, after the argument check passed, and every rank holds the
+same table, so every rank makes the same choices.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Callable
 
@@ -41,10 +45,15 @@ from ..kernels import shm
 from ..kernels.plans import PLANNERS, Request, Run
 from ..topology.layout import Layout, cores_per_rank
 from ..transport import gpu
+from ..transport.ops import Reduction
 from . import cache, online, settings, sweep
 from .costmodel import MODELS, Choice, Params, check_rides, choose
-from .table import Table, needed
+from .table import Table, band, needed
 from .waits import waiting
+from .watch import DURING as WATCHING
+from .watch import RETRIES, SHORTEST, Watch
+
+log = logging.getLogger("collectives.auto")
 
 
 class Selector:
@@ -64,6 +73,8 @@ class Selector:
         self.tables: dict[str, tuple[dict[str, Any] | None, Table]] = {}
         self.changed: set[str] = set()
         self.sessions: dict[tuple[str, str], online.Session] = {}
+        #: Per memory and size band, how often a watch found a drift, and the last one's story.
+        self.drifts: dict[tuple[str, int], tuple[int, str]] = {}
 
     def candidates(self, xp: Any = np, dtype_ok: bool = True) -> list[str]:
         """The algorithms ``auto`` chooses from for ``xp`` memory (module docstring);
@@ -91,6 +102,9 @@ class Selector:
             self.changed.add(memory)
         where = f"on {self.ctx.size} ranks ({self.layout})"
         choice = table.decide(nbytes, names, validate, lambda name: check_rides(name, nbytes, self.layout), where)
+        drifts = self.drifts.get((memory, band(nbytes)))
+        if drifts is not None:
+            choice.reason += f" ({drifts[1]})"
         tune = online.close(choice.predictions) if choice.source.endswith("calibration") else []
         if len(tune) > 1 and settings.current().online:
             choice.reason += (
@@ -129,6 +143,56 @@ class Selector:
             session.done = lambda result: self._tuned(memory, key, result)
             self.sessions[memory, key] = session
         return session
+
+    def watch(
+        self, choice: Choice, xp: Any, validate: bool, dtype_ok: bool, x: Any, red: Reduction
+    ) -> tuple[Choice, Watch | None]:
+        """The watch on ``choice`` (:mod:`collectives.tuning.watch`) where it was measured,
+        takes at least :data:`~collectives.tuning.watch.SHORTEST` and has not drifted
+        :data:`~collectives.tuning.watch.RETRIES` times, with rank 0's online tuning on
+        (collective then). Its windows time the real calls where every rank has a core
+        (:attr:`timeable`); with rank 0's deterministic tuning its one window is rehearsed
+        here instead, on a copy of ``x``, as one batch, and a drifted choice measured and
+        made anew: (that choice, None)."""
+        expected = choice.predictions.get(choice.algorithm, 0.0)
+        memory = "host" if xp is np else "device"
+        drifts, _ = self.drifts.get((memory, band(choice.nbytes)), (0, ""))
+        if not choice.source.endswith(("calibration", "tuning")) or expected < SHORTEST or drifts >= RETRIES:
+            return choice, None
+        with waiting(self.ctx.comm, "Bcast of the tuning settings", WATCHING):
+            mode = self.ctx.comm.bcast(settings.current(), root=0)
+        if not mode.online:
+            return choice, None
+        seen = Watch(expected, self.ctx.comm)
+        if not mode.deterministic:  # single calls are timed: only where every rank has a core
+            return choice, seen if self.timeable else None
+        seen.rehearse(self.runs[choice.algorithm], x, red)
+        if seen.drifted and seen.seen is not None:
+            self.forget(choice, xp, seen.seen)
+            choice = self.choose(choice.nbytes, xp, validate, dtype_ok)
+        return choice, None
+
+    def forget(self, choice: Choice, xp: Any, seconds: float) -> None:
+        """Drop the measurements ``choice`` came from, its algorithm having taken ``seconds``
+        a call (a watch's drift), so that the next :meth:`choose` of its size measures anew
+        (no communication: every rank learns of a drift at the same call)."""
+        memory, table = self.table(xp)
+        nbytes, name = choice.nbytes, choice.algorithm
+        for size in needed(nbytes):
+            table.points.pop(size, None)
+            table.loaded.discard(size)
+        prefix = f"{band(nbytes)}:"
+        for key in [key for key in table.tuned if key.startswith(prefix)]:
+            del table.tuned[key]
+            table.loaded.discard(key)
+        self.changed.add(memory)
+        drifts, _ = self.drifts.get((memory, band(nbytes)), (0, ""))
+        story = (
+            f"measured anew: {name} took {seconds * 1e6:.1f} us a call where "
+            f"{choice.predictions[name] * 1e6:.1f} us were expected"
+        )
+        self.drifts[memory, band(nbytes)] = (drifts + 1, story)
+        log.info("auto on %d ranks, %d B: %s", self.ctx.size, nbytes, story)
 
     def table(self, xp: Any = np) -> tuple[str, Table]:
         """The memory's name and table, loaded from the cache on first use (collective then)."""

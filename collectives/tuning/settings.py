@@ -9,10 +9,12 @@ switch               environment (default)    what it does
 ``online``           ``MPIDL_ONLINE_TUNING``  time the candidates that the calibration
                      (1)                      finds close on the first calls of a size
                                               band, keep the fastest
-                                              (:mod:`collectives.tuning.online`)
-``deterministic``    ``MPIDL_DETERMINISTIC``  tune on a copy of the first call's buffer,
-                     (0)                      so that every real call of a size runs one
-                                              algorithm (one summation order)
+                                              (:mod:`collectives.tuning.online`); watch
+                                              the choice, measure anew where its calls
+                                              drift (:mod:`collectives.tuning.watch`)
+``deterministic``    ``MPIDL_DETERMINISTIC``  tune, and watch, on a copy of the first
+                     (0)                      call's buffer, so that every real call of a
+                                              size runs one algorithm (one summation order)
 ``cache``            ``MPIDL_TUNING_CACHE``   read and write the measurements under
                      (1)                      ``MPIDL_CACHE_DIR`` (:mod:`collectives.tuning.cache`)
 ==================== ======================== ==========================================
