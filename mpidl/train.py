@@ -1170,7 +1170,8 @@ def main(args: argparse.Namespace) -> int:
     from .runtime import USAGE_EXIT_CODE, init
 
     comm = init()
-    collectives.set_tuning(deterministic=True)  # one algorithm per size from the first step: repeatable bits
+    # one algorithm per size from the first step, the persisted one where there is one: repeatable bits
+    collectives.set_tuning(deterministic=True, watch=False)
     try:
         config = config_from_args(args)
         if args.plot or args.timeline_plot:

@@ -74,11 +74,11 @@ def test_foreign_tables_are_refused(raw: object) -> None:
 @pytest.fixture
 def fresh(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[MPI.Intracomm]:
     """A new communicator whose auto uses a cache directory of its own (rank 0's
-    temporary directory), online tuning and the cache on."""
+    temporary directory), online tuning, the watch and the cache on."""
     world = MPI.COMM_WORLD
     path = world.bcast(str(tmp_path_factory.mktemp("cache")) if world.rank == 0 else None)
     monkeypatch.setenv("MPIDL_CACHE_DIR", path)
-    previous = collectives.set_tuning(online=True, deterministic=False, cache=True)
+    previous = collectives.set_tuning(online=True, deterministic=False, cache=True, watch=True)
     comm = world.Dup()
     try:
         yield comm

@@ -149,7 +149,7 @@ class Selector:
     ) -> tuple[Choice, Watch | None]:
         """The watch on ``choice`` (:mod:`collectives.tuning.watch`) where it was measured,
         takes at least :data:`~collectives.tuning.watch.SHORTEST` and has not drifted
-        :data:`~collectives.tuning.watch.RETRIES` times, with rank 0's online tuning on
+        :data:`~collectives.tuning.watch.RETRIES` times, with rank 0's ``watch`` switch on
         (collective then). Its windows time the real calls where every rank has a core
         (:attr:`timeable`); with rank 0's deterministic tuning its one window is rehearsed
         here instead, on a copy of ``x``, as one batch, and a drifted choice measured and
@@ -161,7 +161,7 @@ class Selector:
             return choice, None
         with waiting(self.ctx.comm, "Bcast of the tuning settings", WATCHING):
             mode = self.ctx.comm.bcast(settings.current(), root=0)
-        if not mode.online:
+        if not mode.watch:
             return choice, None
         seen = Watch(expected, self.ctx.comm)
         if not mode.deterministic:  # single calls are timed: only where every rank has a core

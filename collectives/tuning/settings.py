@@ -1,4 +1,4 @@
-"""The switches of ``auto``'s tuning: online tuning, determinism, the persisted cache.
+"""The switches of ``auto``'s tuning: online tuning, the watch, determinism, the persisted cache.
 
 Read from the environment when :mod:`collectives` is imported, changed with
 :func:`set_tuning`:
@@ -9,9 +9,10 @@ switch               environment (default)    what it does
 ``online``           ``MPIDL_ONLINE_TUNING``  time the candidates that the calibration
                      (1)                      finds close on the first calls of a size
                                               band, keep the fastest
-                                              (:mod:`collectives.tuning.online`); watch
-                                              the choice, measure anew where its calls
-                                              drift (:mod:`collectives.tuning.watch`)
+                                              (:mod:`collectives.tuning.online`)
+``watch``            ``MPIDL_WATCH`` (1)      time the choice's calls, measure anew where
+                                              they drift from the measurement
+                                              (:mod:`collectives.tuning.watch`)
 ``deterministic``    ``MPIDL_DETERMINISTIC``  tune, and watch, on a copy of the first
                      (0)                      call's buffer, so that every real call of a
                                               size runs one algorithm (one summation order)
@@ -45,10 +46,12 @@ class TuningSettings:
     online: bool = True
     deterministic: bool = False
     cache: bool = True
+    watch: bool = True
 
 
 _current = TuningSettings(
     online=_flag("MPIDL_ONLINE_TUNING", True),
+    watch=_flag("MPIDL_WATCH", True),
     deterministic=_flag("MPIDL_DETERMINISTIC", False),
     cache=_flag("MPIDL_TUNING_CACHE", True),
 )
@@ -60,13 +63,17 @@ def current() -> TuningSettings:
 
 
 def set_tuning(
-    *, online: bool | None = None, deterministic: bool | None = None, cache: bool | None = None
+    *,
+    online: bool | None = None,
+    deterministic: bool | None = None,
+    cache: bool | None = None,
+    watch: bool | None = None,
 ) -> TuningSettings:
     """Change the given switches (None keeps one) and return the previous settings,
     which ``set_tuning(**dataclasses.asdict(previous))`` puts back. Every rank
     should set the same; rank 0's are the ones used (module docstring)."""
     global _current
     previous = _current
-    changes = {"online": online, "deterministic": deterministic, "cache": cache}
+    changes = {"online": online, "deterministic": deterministic, "cache": cache, "watch": watch}
     _current = dataclasses.replace(_current, **{k: bool(v) for k, v in changes.items() if v is not None})
     return previous
