@@ -108,6 +108,7 @@ def test_the_wheel_carries_the_type_hints(tmp_path_factory: pytest.TempPathFacto
     assert {"mpidl/py.typed", "collectives/py.typed", "algorithms/py.typed"} <= set(names)
 
 
+@pytest.mark.job
 def test_info_sees_emulated_nodes() -> None:
     proc = on_rank0_quietly(mpiexec, 4, ["-m", "mpidl", "info"], hosts="a:2,b:2")
     assert proc.returncode == 0, proc.stderr

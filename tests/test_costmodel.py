@@ -336,6 +336,7 @@ for step in range(3):
 """
 
 
+@pytest.mark.job
 @pytest.mark.mpi
 def test_calibration_waits_are_watched(tmp_path_factory) -> None:
     """The calibration's collective waits (the file's verdict, Barrier, Allreduce, a

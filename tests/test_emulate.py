@@ -64,6 +64,7 @@ def job_pids(path: Path, count: int) -> list[int]:
     return pids
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("end", ["timeout", "interrupt"])
 def test_a_job_past_its_timeout_or_interrupted_is_ended_whole(tmp_path: Path, end: str) -> None:

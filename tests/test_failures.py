@@ -65,6 +65,7 @@ def run(
     return on_rank0_quietly(go)
 
 
+@pytest.mark.job
 def test_stalled_collective_is_reported_then_aborts_the_job() -> None:
     proc, after = run(3, "stall", env=STALL_ENV)
     err = proc.stderr
@@ -81,6 +82,7 @@ def test_stalled_collective_is_reported_then_aborts_the_job() -> None:
     assert any(tail == ABORTED and int(waited) >= STALL_ABORT for _, waited, _, _, tail in reports), err[-3000:]
 
 
+@pytest.mark.job
 def test_stalled_preduce_names_the_lock_holders() -> None:
     proc, after = run(3, "preduce", env=STALL_ENV)
     err = proc.stderr
@@ -99,6 +101,7 @@ def test_stalled_preduce_names_the_lock_holders() -> None:
     assert ABORTED in err, err[-3000:]
 
 
+@pytest.mark.job
 def test_exception_on_one_rank_ends_the_job() -> None:
     proc, after = run(3, "raise")
     assert proc.returncode == FAILED_EXIT_CODE, proc.stderr[-3000:]
@@ -142,6 +145,7 @@ LATE = re.compile(r"mpidl: rank (\d+): MainThread has waited \d+ s in (.+?) for 
         ("checkpoint", "checkpoint.save(step 2)"),
     ],
 )
+@pytest.mark.job
 def test_a_rank_late_into_an_operation_is_reported(operation: str, reported: str) -> None:
     """Rank 1 of 3 comes 3 s late (warning limit 1 s, no abort): the ranks waiting for it
     report the operation and whom they wait for; in P-Reduce every worker waits for the
@@ -161,6 +165,7 @@ def test_a_rank_late_into_an_operation_is_reported(operation: str, reported: str
         assert reports == {(0, "1, 2"), (2, "0, 1")}, err[-3000:]
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("kind, rank", [("budget", 0), ("group-generator", 0), ("server", 1)])
 def test_exception_in_a_service_thread_ends_the_job(kind: str, rank: int) -> None:
     """The thread's traceback, naming the rank and the thread, and the exception's exit
@@ -173,6 +178,7 @@ def test_exception_in_a_service_thread_ends_the_job(kind: str, rank: int) -> Non
     assert f"RuntimeError: injected failure in the {kind} thread" in err, err[-3000:]
 
 
+@pytest.mark.job
 @pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn")
 @pytest.mark.parametrize("algorithm", ["prague", "adpsgd"])
 def test_exception_in_training_is_printed_first(algorithm: str) -> None:
@@ -188,6 +194,7 @@ def test_exception_in_training_is_printed_first(algorithm: str) -> None:
     assert "RuntimeError: injected failure on rank 0" in err, err[-3000:]
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("algorithm", ["prague", "adpsgd"])
 def test_exception_inside_an_algorithms_with_block_is_printed_first(algorithm: str) -> None:
     """The algorithm's ``__exit__`` does not close it (collectively) after rank 1 raised."""
@@ -199,6 +206,7 @@ def test_exception_inside_an_algorithms_with_block_is_printed_first(algorithm: s
     assert "RuntimeError: injected failure on rank 1" in err, err[-3000:]
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("mode", ["kill", "exit"])
 def test_dead_rank_ends_the_job(mode: str) -> None:
     # No stall limit: the launcher itself must notice the dead rank and end the others.
@@ -247,6 +255,7 @@ def same_files(want: list[tuple[dict, dict]], got: list[tuple[dict, dict]]) -> N
             np.testing.assert_array_equal(want_arrays[key], got_arrays[key], err_msg=key)
 
 
+@pytest.mark.job
 @pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="digits need scikit-learn")
 @pytest.mark.parametrize("config", list(RESUMED))
 def test_training_killed_mid_run_resumes(config: str, tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -333,6 +342,7 @@ def needs_ulfm() -> None:
         pytest.skip(f"needs an MPI library with ULFM (Open MPI: .ci/ulfm makes a virtualenv with it): {why}")
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("compression", [None, "topk:0.1"])
 @pytest.mark.parametrize("role, victim", [("active", 0), ("passive", 1)])
 def test_adpsgd_survives_a_dead_worker(role: str, victim: int, compression: str | None, tmp_path: Path) -> None:
@@ -539,6 +549,7 @@ def test_ulfm_finalize_hazard_is_named_until_the_launcher_skips_the_fence(monkey
     [(["survive", "active"], "AD-PSGD"), (["prague", "0"], "P-Reduce"), (["grsgd", "0"], "GR-SGD")],
     ids=["adpsgd", "prague", "grsgd"],
 )
+@pytest.mark.job
 def test_without_ulfm_a_dead_worker_still_ends_the_job(argv: list[str], who: str, tmp_path: Path) -> None:
     """on_failure="continue" where the MPI library has no ULFM (MPICH), AD-PSGD, Prague (whose
     P-Reduce warns) or GR-SGD: a warning says so, and the kill ends the job, within seconds, as

@@ -47,6 +47,7 @@ def test_pieces_and_their_boundaries(size: int, replicate: int, monkeypatch: pyt
     assert all_ok(MPI.COMM_WORLD, not failures), "\n".join(failures[:20])
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("layout", [None, "2", "4,2"])
 def test_pieces_on_six_ranks(layout: str | None) -> None:
     """Sliced pieces on a node of six ranks, and on emulated nodes of several."""

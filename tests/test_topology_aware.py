@@ -93,6 +93,7 @@ def test_sub_communicators_are_built_once() -> None:
     assert len([k for k in after if k not in cached]) <= 2  # the hierarchical plan and its node communicators
 
 
+@pytest.mark.job
 def test_real_multi_node_layout() -> None:
     """MPICH's launcher with two hosts makes COMM_TYPE_SHARED report two nodes on one machine."""
     proc = on_rank0_quietly(

@@ -171,6 +171,7 @@ def test_torch_allreduce_keeps_one_model(tmp_path_factory: pytest.TempPathFactor
     assert last["bytes_per_step_mean"] == run["meta"]["model_bytes"]
 
 
+@pytest.mark.job
 def test_resume_reproduces_the_uninterrupted_run(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tmp_path_factory.mktemp("resume")
     common = ["--algorithm", "dpsgd", "--backend", "numpy", *QUICK, "--checkpoint-every", "5"]
@@ -235,6 +236,7 @@ def _damage(folder: Path, damage: str) -> Path:
         ("dpsgd", {"algorithm.mixed": ": the state lacks 'mixed' (CHOCO-SGD's copies x^ and s"}),
     ],
 )
+@pytest.mark.job
 def test_a_damaged_checkpoint_is_named_on_every_rank(
     algorithm: str, damages: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -256,6 +258,7 @@ def test_a_damaged_checkpoint_is_named_on_every_rank(
         assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("algorithm", ["adpsgd", "prague"])
 def test_workers_step_at_their_own_speed_with_a_straggler(
     algorithm: str, tmp_path_factory: pytest.TempPathFactory
@@ -320,6 +323,7 @@ def test_grsgd_takes_equal_steps_within_its_lead(tmp_path_factory: pytest.TempPa
     assert last["bytes_per_step_max"] <= 2 * run["meta"]["model_bytes"] and last["consensus"] < 1e-2
 
 
+@pytest.mark.job
 def test_paced_workers_see_one_seeded_schedule_and_the_slow_one_is_named(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
