@@ -223,6 +223,27 @@ def test_topk_is_exact_where_the_sampled_threshold_misses() -> None:
         assert np.array_equal(c.selected, np.sort(np.argsort(-magnitude, kind="stable")[: c.k(n)])), name
 
 
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_residual_is_the_vector_less_its_decoded_encoding(name: str) -> None:
+    """What error feedback keeps, x - decode(encode(x)), bit for bit as the subtraction
+    gives it, however a codec computes it (top-k: a copy and O(k) fixes), with zeros of
+    both signs, NaNs and infinities among the kept elements."""
+    n = 70_001
+    x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    x[:5] = [-0.0, 0.0, np.nan, np.inf, -np.inf]
+    x[5 : n // 2] = 0.0  # a vector with fewer nonzeros than most sparsifiers keep: zeros are kept
+    x[-3:] = -0.0
+    for c in (build(name, n), create(f"{name}:0.9") if name == "topk" else None):
+        if c is None:
+            continue
+        payload = c.compress(x)
+        decoded = np.empty_like(x)
+        c.decompress(payload, decoded)
+        residual = np.full_like(x, 7.0)
+        c._residual(x, payload, residual)
+        assert residual.tobytes() == np.subtract(x, decoded).tobytes(), c.spec
+
+
 def test_topk_takes_nans_first() -> None:
     x = np.array([1.0, np.nan, -3.0, 2.0], np.float32)
     out = np.empty_like(x)

@@ -112,6 +112,7 @@ class Codec(Protocol):
     def _encode(self, x: Any, out: Any) -> None: ...
     def _decode(self, payload: Any, out: Any) -> None: ...
     def _decode_add(self, payload: Any, out: Any) -> None: ...
+    def _residual(self, x: Any, payload: Any, out: Any) -> None: ...
 
 
 def gather(codec: Codec, x: Any, residual: Any, call: Call) -> None:
@@ -123,8 +124,7 @@ def gather(codec: Codec, x: Any, residual: Any, call: Call) -> None:
     mine = table[r * size : (r + 1) * size]
     codec._encode(x, mine)
     if residual is not None:
-        codec._decode(mine, residual)
-        array_module(x).subtract(x, residual, out=residual)
+        codec._residual(x, mine, residual)
     allgather(table, call.ctx.comm)
     _decode_sum(codec, [table[i * size : (i + 1) * size] for i in range(n)], x)
     _finish(x, call.op, n)
@@ -144,9 +144,8 @@ def scatter(codec: Codec, x: Any, residual: Any, call: Call) -> None:
     for c, (chunk, payload) in zip(codecs, parts):
         c._encode(chunk, payload)
     if residual is not None:
-        for j, (_, payload) in enumerate(parts):
-            codecs[j]._decode(payload, residual[elems[j] : elems[j + 1]])
-        xp.subtract(x, residual, out=residual)
+        for j, (chunk, payload) in enumerate(parts):
+            codecs[j]._residual(chunk, payload, residual[elems[j] : elems[j + 1]])
     if n == 1:
         codecs[0]._decode(sent, x)
         return

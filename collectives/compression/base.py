@@ -372,6 +372,12 @@ class Compressor(ABC):
         self._decode(payload, tmp)
         array_module(out).add(out, tmp, out=out)
 
+    def _residual(self, x: Any, payload: Any, out: Any) -> None:
+        """Set ``out`` to ``x`` less the vector ``payload`` encodes (``payload`` being
+        ``x``'s encoding): what error feedback carries to the next step."""
+        self._decode(payload, out)
+        array_module(x).subtract(x, out, out=out)
+
     def piece(self, start: int, stop: int) -> Compressor:
         """The codec of elements ``start`` to ``stop`` of the vectors this compressor
         encodes (the chunks of ``reduce_scatter``): itself, unless its encoding depends

@@ -218,22 +218,32 @@ class TopK(Compressor):
 
     def _decode_add(self, payload: Any, out: Any) -> None:
         for a, b, offset, nbytes in self._parts(out.shape[0], out.dtype):
-            self._decode_layer(payload[offset : offset + nbytes], out[a:b])
+            if nbytes:
+                index, values = self._layer(payload[offset : offset + nbytes], out[a:b])
+                out[a:b][index] += values
 
-    def _decode_layer(self, payload: Any, out: Any) -> None:
-        """Add the layer ``payload`` encodes to ``out``."""
-        n = out.shape[0]
-        k = kept(self.ratio, n)
-        if k == 0:
-            return
-        xp = array_module(out)
-        scale, values, low, counts = self._fields(payload, n, out.dtype)
+    def _residual(self, x: Any, payload: Any, out: Any) -> None:
+        """x less its decoded encoding, as the base class has it, in one copy of ``x`` and
+        O(k) work: only the kept elements differ from ``x``, by their rounding."""
+        out[:] = x
+        for a, b, offset, nbytes in self._parts(out.shape[0], out.dtype):
+            if nbytes:
+                index, values = self._layer(payload[offset : offset + nbytes], out[a:b])
+                values += 0  # as decoding onto zeros has it: a kept -0.0 counts as +0.0
+                out[a:b][index] -= values
+
+    def _layer(self, payload: Any, like: Any) -> tuple[Any, Any]:
+        """The positions and values (scratch) of the layer ``payload`` encodes, a layer
+        of ``like``'s length and dtype."""
+        n = like.shape[0]
+        xp = array_module(like)
+        scale, values, low, counts = self._fields(payload, n, like.dtype)
         index = xp.repeat(xp.arange(counts.shape[0], dtype=np.intp) << 16, counts.astype(np.intp))
         index += low
-        chosen = scratch(out, k, CODEC + 4)
+        chosen = scratch(like, kept(self.ratio, n), CODEC + 4)
         widen(values, chosen, "float16")
         xp.multiply(chosen, scale[0], out=chosen)
-        out[index] += chosen
+        return index, chosen
 
 
 def largest(magnitude: Any, candidates: Any, k: int) -> Any:
