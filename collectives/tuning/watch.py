@@ -26,6 +26,11 @@ With deterministic tuning (:mod:`collectives.tuning.settings`) every real call
 of a size must run one algorithm: the one window is rehearsed on a copy of
 the first call's buffer before that call runs (:meth:`Watch.rehearse`, one
 batch, as online tuning rehearses), and no later window follows.
+
+Cost: two clock readings per watched call, one ``MPI_Allreduce`` of
+:data:`WINDOW` doubles per window; a drift costs what the first measurement
+of that size did (every candidate at the grid sizes around it,
+:mod:`collectives.tuning.sweep`), at most :data:`RETRIES` times.
 """
 
 from __future__ import annotations
