@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -217,33 +218,32 @@ class TopK(Compressor):
         self._decode_add(payload, out)
 
     def _decode_add(self, payload: Any, out: Any) -> None:
-        for a, b, offset, nbytes in self._parts(out.shape[0], out.dtype):
-            if nbytes:
-                index, values = self._layer(payload[offset : offset + nbytes], out[a:b])
-                out[a:b][index] += values
+        for layer, index, values in self._kept(payload, out):
+            layer[index] += values
 
     def _residual(self, x: Any, payload: Any, out: Any) -> None:
         """x less its decoded encoding, as the base class has it, in one copy of ``x`` and
         O(k) work: only the kept elements differ from ``x``, by their rounding."""
         out[:] = x
-        for a, b, offset, nbytes in self._parts(out.shape[0], out.dtype):
-            if nbytes:
-                index, values = self._layer(payload[offset : offset + nbytes], out[a:b])
-                values += 0  # as decoding onto zeros has it: a kept -0.0 counts as +0.0
-                out[a:b][index] -= values
+        for layer, index, values in self._kept(payload, out):
+            values += 0  # as decoding onto zeros has it: a kept -0.0 counts as +0.0
+            layer[index] -= values
 
-    def _layer(self, payload: Any, like: Any) -> tuple[Any, Any]:
-        """The positions and values (scratch) of the layer ``payload`` encodes, a layer
-        of ``like``'s length and dtype."""
-        n = like.shape[0]
-        xp = array_module(like)
-        scale, values, low, counts = self._fields(payload, n, like.dtype)
-        index = xp.repeat(xp.arange(counts.shape[0], dtype=np.intp) << 16, counts.astype(np.intp))
-        index += low
-        chosen = scratch(like, kept(self.ratio, n), CODEC + 4)
-        widen(values, chosen, "float16")
-        xp.multiply(chosen, scale[0], out=chosen)
-        return index, chosen
+    def _kept(self, payload: Any, out: Any) -> Iterator[tuple[Any, Any, Any]]:
+        """Per layer with kept elements: its part of ``out``, and the positions in it and
+        values (scratch, valid until the next layer) that ``payload`` encodes."""
+        xp = array_module(out)
+        for a, b, offset, nbytes in self._parts(out.shape[0], out.dtype):
+            if not nbytes:
+                continue
+            n = b - a
+            scale, values, low, counts = self._fields(payload[offset : offset + nbytes], n, out.dtype)
+            index = xp.repeat(xp.arange(counts.shape[0], dtype=np.intp) << 16, counts.astype(np.intp))
+            index += low
+            chosen = scratch(out, kept(self.ratio, n), CODEC + 4)
+            widen(values, chosen, "float16")
+            xp.multiply(chosen, scale[0], out=chosen)
+            yield out[a:b], index, chosen
 
 
 def largest(magnitude: Any, candidates: Any, k: int) -> Any:

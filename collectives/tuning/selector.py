@@ -155,20 +155,19 @@ class Selector:
         here instead, on a copy of ``x``, as one batch, and a drifted choice measured and
         made anew: (that choice, None)."""
         expected = choice.predictions.get(choice.algorithm, 0.0)
-        memory = "host" if xp is np else "device"
-        drifts, _ = self.drifts.get((memory, band(choice.nbytes)), (0, ""))
+        drifts, _ = self.drifts.get((_memory(xp), band(choice.nbytes)), (0, ""))
         if not choice.source.endswith(("calibration", "tuning")) or expected < SHORTEST or drifts >= RETRIES:
             return choice, None
         with waiting(self.ctx.comm, "Bcast of the tuning settings", WATCHING):
             mode = self.ctx.comm.bcast(settings.current(), root=0)
         if not mode.watch:
             return choice, None
-        seen = Watch(expected, self.ctx.comm)
+        watch = Watch(expected, self.ctx.comm)
         if not mode.deterministic:  # single calls are timed: only where every rank has a core
-            return choice, seen if self.timeable else None
-        seen.rehearse(self.runs[choice.algorithm], x, red)
-        if seen.drifted and seen.seen is not None:
-            self.forget(choice, xp, seen.seen)
+            return choice, watch if self.timeable else None
+        watch.on_drift = lambda seconds: self.forget(choice, xp, seconds)
+        watch.rehearse(self.runs[choice.algorithm], x, red)
+        if watch.drifted:
             choice = self.choose(choice.nbytes, xp, validate, dtype_ok)
         return choice, None
 
@@ -177,26 +176,26 @@ class Selector:
         a call (a watch's drift), so that the next :meth:`choose` of its size measures anew
         (no communication: every rank learns of a drift at the same call)."""
         memory, table = self.table(xp)
-        nbytes, name = choice.nbytes, choice.algorithm
+        nbytes, name, where = choice.nbytes, choice.algorithm, (memory, band(choice.nbytes))
         for size in needed(nbytes):
             table.points.pop(size, None)
             table.loaded.discard(size)
-        prefix = f"{band(nbytes)}:"
+        prefix = f"{where[1]}:"
         for key in [key for key in table.tuned if key.startswith(prefix)]:
             del table.tuned[key]
             table.loaded.discard(key)
         self.changed.add(memory)
-        drifts, _ = self.drifts.get((memory, band(nbytes)), (0, ""))
+        drifts, _ = self.drifts.get(where, (0, ""))
         story = (
             f"measured anew: {name} took {seconds * 1e6:.1f} us a call where "
             f"{choice.predictions[name] * 1e6:.1f} us were expected"
         )
-        self.drifts[memory, band(nbytes)] = (drifts + 1, story)
+        self.drifts[where] = (drifts + 1, story)
         log.info("auto on %d ranks, %d B: %s", self.ctx.size, nbytes, story)
 
     def table(self, xp: Any = np) -> tuple[str, Table]:
         """The memory's name and table, loaded from the cache on first use (collective then)."""
-        memory = "host" if xp is np else "device"
+        memory = _memory(xp)
         entry = self.tables.get(memory)
         if entry is None:
             if xp is not np:
@@ -224,3 +223,8 @@ class Selector:
         self.tables[memory][1].tuned[key] = result
         self.sessions.pop((memory, key), None)
         self.changed.add(memory)
+
+
+def _memory(xp: Any) -> str:
+    """The name of ``xp``'s memory in the tables: "host" (numpy) or "device"."""
+    return "host" if xp is np else "device"

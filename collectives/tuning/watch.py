@@ -64,15 +64,13 @@ class Watch:
     """The watch on one of ``auto``'s decisions (module docstring): :meth:`record` each
     call's seconds, or :meth:`rehearse` its one window."""
 
-    __slots__ = ("comm", "drifted", "expected", "gap", "on_drift", "seen", "skip", "times")
+    __slots__ = ("comm", "drifted", "expected", "gap", "on_drift", "skip", "times")
 
     def __init__(self, expected: float, comm: MPI.Comm) -> None:
         self.expected, self.comm = expected, comm
         self.times: list[float] = []
         self.skip = 0  # calls before the next window
         self.gap = WINDOW  # the next gap
-        #: The last window's agreed seconds per call.
-        self.seen: float | None = None
         #: Set, on every rank at the same call, once a window has found a drift.
         self.drifted = False
         #: Called with the window's seconds per call when it finds a drift.
@@ -107,7 +105,6 @@ class Watch:
         self._judge(float(took[0]))
 
     def _judge(self, seconds: float) -> None:
-        self.seen = seconds
         self.skip, self.gap = self.gap, min(2 * self.gap, LONGEST_GAP)
         if seconds > DRIFT * self.expected:
             self.drifted = True
