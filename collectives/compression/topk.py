@@ -183,10 +183,11 @@ class TopK(Compressor):
         """The ascending indices of the k largest of ``magnitude`` (module docstring),
         among the elements above a threshold estimated from a sample where one fits."""
         xp, n = array_module(magnitude), magnitude.shape[0]
-        size = max(math.ceil(64 / self.ratio), n // 100)
-        if 4 * size <= n:
+        index = self._sample_index(xp, n)
+        if index is not None:
+            size = index.shape[0]
             sample = scratch(magnitude, size, CODEC + 1)
-            take(magnitude, self._sample_index(xp, n, size), sample)
+            take(magnitude, index, sample)
             expected = k * size / n  # sample elements expected above the k-th largest
             rank = min(size, math.ceil(1.25 * expected + 4 * math.sqrt(expected)) + 1)
             sample.partition(size - rank)
@@ -204,9 +205,13 @@ class TopK(Compressor):
         zeros = xp.flatnonzero(magnitude == 0)[: k - candidates.shape[0]]
         return xp.sort(xp.concatenate([candidates, zeros]))
 
-    def _sample_index(self, xp: Any, n: int, size: int) -> Any:
-        """``size`` random indices into a layer of ``n`` elements, ascending (drawn once
-        per layer length, from a generator seeded by it)."""
+    def _sample_index(self, xp: Any, n: int) -> Any:
+        """The sample's random indices into a layer of ``n`` elements, ascending: 64
+        expected above the threshold, or 1 % of the layer if more; None where that is over
+        a quarter of the layer (drawn once per layer length, from a generator seeded by it)."""
+        size = max(math.ceil(64 / self.ratio), n // 100)
+        if 4 * size > n:
+            return None
         index = self._samples.get((xp, n))
         if index is None:
             drawn = np.sort(np.random.default_rng(n).integers(0, n, size))
