@@ -173,6 +173,15 @@ class AllReduceSGD(Algorithm):
         compression_start: the first steps are all-reduced uncompressed, as
             DDP's PowerSGD hook does its first ``start_powerSGD_iter`` (local
             momentum, where on, is applied throughout); 0: compress from the start.
+        clip_norm: Deep Gradient Compression's local clipping (:mod:`algorithms.dgc`):
+            each tensor of a worker's gradient is scaled down to this l2 norm
+            before momentum and compression where it exceeds it; None: no clipping.
+        momentum_masking: DGC's momentum factor masking: the local momentum of
+            the elements top-k sent is zeroed. None: on for top-k with local
+            momentum (it kept the accuracy on Fashion-MNIST where top-k without
+            it lost 1-1.4 points: ``docs/performance.rst``), off otherwise.
+        sparsity_warmup: DGC's warm-up: top-k keeps 25 %, 6.25 %, ... of each
+            layer, this many steps each, before its ratio; 0: none.
         seed: seeds the compressors' random numbers (qsgd, random-k, PowerSGD).
         fuse_update: with the gradients in shared memory and no overlap, each rank
             applies the SGD update to the part of every bucket it reduces, for every
@@ -330,6 +339,8 @@ class AllReduceSGD(Algorithm):
                 "momentum_masking zeroes the local momentum of the elements top-k sent: it needs compression "
                 "topk:RATIO and local momentum"
             )
+        if masking is None:
+            masking = topk and self._local
         if clip_norm is None and not masking and not warmup:
             return None
         target = collectives.compressor(self._compression[0]) if self._compression is not None else None

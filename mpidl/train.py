@@ -268,7 +268,8 @@ ALGORITHM_OPTIONS = (
     AlgorithmOption(
         "--momentum-masking",
         "momentum_masking",
-        "zero the local momentum of the elements top-k sent (DGC's momentum factor masking)",
+        "zero the local momentum of the elements top-k sent (DGC's momentum factor masking; default: on "
+        "for top-k with local momentum)",
         switch=True,
     ),
     AlgorithmOption(

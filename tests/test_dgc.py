@@ -58,11 +58,11 @@ def test_clipped_step_is_the_mean_of_the_clipped_gradients(size: int) -> None:
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_masking_zeroes_the_velocity_of_the_elements_sent(size: int) -> None:
     """First step, momentum 0.9: the velocity is the gradient but at the 12 (25 % of 48)
-    elements of largest magnitude, which top-k sent, where it is 0; without masking it
-    is the gradient everywhere."""
+    elements of largest magnitude, which top-k sent, where it is 0, also by default
+    (None); without masking it is the gradient everywhere."""
     comm = comm_of_size(size)
     ok = True
-    for masking in (True, False):
+    for masking in (True, None, False):
         x = np.zeros((6, 8))
         opt = SGD(x, lr=0.1, momentum=0.9)
         with algorithms.AllReduceSGD(x, opt, comm, compression="topk:0.25", momentum_masking=masking) as algo:
@@ -72,10 +72,25 @@ def test_masking_zeroes_the_velocity_of_the_elements_sent(size: int) -> None:
             velocity = algo.local_momentum.velocity
         sent = np.sort(np.argsort(-np.abs(g.ravel()), kind="stable")[:12])
         expected = g.ravel().copy()
-        if masking:
+        if masking is not False:
             expected[sent] = 0
         ok &= np.array_equal(velocity, expected)
     assert all_ok(comm, ok), size
+
+
+@pytest.mark.parametrize(
+    "compression, momentum, local",
+    [("topk:0.25", 0.0, None), ("topk:0.25", 0.9, False), ("sign", 0.9, None), ("randk:0.25", 0.9, True)],
+)
+def test_masking_is_on_by_default_only_for_topk_with_local_momentum(
+    compression: str, momentum: float, local: bool | None
+) -> None:
+    """Where top-k has no local momentum to mask (SGD without momentum, or local momentum
+    off), or the compressor is not top-k, the default leaves DGC off and raises nothing."""
+    x = np.zeros(48)
+    opt = SGD(x, lr=0.1, momentum=momentum)
+    with algorithms.AllReduceSGD(x, opt, MPI.COMM_WORLD, compression=compression, local_momentum=local) as algo:
+        assert algo.dgc is None
 
 
 @pytest.mark.parametrize("overlap", [False, True])
