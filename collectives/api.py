@@ -22,6 +22,7 @@ dropped its calls at :data:`_CALLS`) still take the same path.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import time
@@ -68,7 +69,8 @@ class _Auto:
 
     def resolve(self, x: Any, red: Reduction, validate: bool) -> tuple[str | None, Run, Watch | None]:
         """The algorithm for ``x``, its plan and the watch on it (None where the choice is
-        not watched), chosen once per case (logged at DEBUG) and again after a drift;
+        not watched), chosen once per case (logged at DEBUG) and again after a drift
+        (while the watch probes a rival, the rival);
         while the size band is tuned online, (None, the tuning, None) runs the call
         instead. Collective where it measures, loads, tunes or watches (:class:`Selector`)."""
         key = _key(x, red, validate)
@@ -95,7 +97,20 @@ class _Auto:
                 watch.on_drift = lambda seconds: self.drifted(key, choice, seconds)
             chosen = self.chosen[key] = choice.algorithm, watch
         name, watch = chosen
+        if watch is not None:  # the watch's choice, or its rival while probed
+            name = watch.running
         return name, self.selector.runs[name], watch
+
+    def explain(self, nbytes: int, xp: Any, validate: bool, dtype_ok: bool) -> Choice:
+        """What :meth:`resolve` runs for ``nbytes`` of ``xp`` memory (:meth:`Selector.choose`,
+        or where a watch's rival took the choice's place on real calls, the rival)."""
+        choice = self.selector.choose(nbytes, xp, validate, dtype_ok)
+        _, watch = self.chosen.get((nbytes, xp, validate, dtype_ok), (None, None))
+        if watch is None or watch.chosen == choice.algorithm:
+            return choice
+        return dataclasses.replace(
+            choice, algorithm=watch.chosen, reason=f"{choice.reason}; {watch.story}", source="watch"
+        )
 
     def drifted(self, key: tuple[int, Any, bool, bool], choice: Choice, seconds: float) -> None:
         """A watch found ``choice`` (of ``key``) taking ``seconds`` a call, beyond its
@@ -142,6 +157,7 @@ class _Call:
         "run",
         "signature",
         "validate",
+        "version",
         "watch",
     )
 
@@ -178,11 +194,12 @@ class _Call:
         self.carrier: shm.Segment | None = None
         self.fuse = False
         self.watch: Watch | None = None
+        self.version = 0  # the watch's, when bound
 
     def __call__(self, x: Any) -> None:
         """All-reduce the flat array ``x`` in place (finished, e.g. averaged)."""
         watch = self.watch
-        if self.run is None or (watch is not None and watch.drifted):
+        if self.run is None or (watch is not None and watch.version != self.version):
             self.find(x)
             watch = self.watch
         start = 0.0 if watch is None else time.perf_counter()
@@ -215,11 +232,12 @@ class _Call:
         chosen for ``x``'s size and memory, exist already.
 
         Plans and auto's choices are only ever added, and only collectively
-        (:meth:`bind`, after a passed check), so whether a call is bound when it
-        starts, and with it the way its check goes, is the same on every rank,
-        whatever resolved calls each rank has kept (:data:`_CALLS`).
+        (:meth:`bind`, after a passed check), and a watch changes what auto runs
+        at the same call on every rank (from agreed times), so whether a call is
+        bound when it starts, and with it the way its check goes, is the same on
+        every rank, whatever resolved calls each rank has kept (:data:`_CALLS`).
         """
-        if self.watch is not None:  # drifted: the binding is dropped, auto chooses again
+        if self.watch is not None:  # the watch moved on: the binding is dropped, auto binds anew
             self.run, self.carrier, self.fuse, self.watch = None, None, False, None
         plan = self.ctx.cache.get(self.plan)
         if plan is not None and (not isinstance(plan, _Auto) or plan.decided(x, self.red, self.validate)):
@@ -237,6 +255,7 @@ class _Call:
             if chosen is None:  # tuned online: this call runs a candidate, and stays unbound
                 return run
             name, self.watch = chosen, watch
+            self.version = 0 if watch is None else watch.version
             self.operation = f"allreduce(collective='auto': {name!r})"  # what the stall inspector names
             p2p.operation(self.operation)
         if self.validate and type(x) is np.ndarray and ctx.size > 1:
@@ -446,7 +465,8 @@ def explain(
     argument check as ``validate`` resolves, see :func:`allreduce`), every
     candidate's time (measured, or the cost model's prediction), least first,
     where the choice comes from (``source``: the model, the calibration, online
-    tuning, either of those two cached) and the reason. Collective on the first
+    tuning, either of those two cached, or the watch, whose rival took the
+    choice's place on the calls so far) and the reason. Collective on the first
     use of a communicator and of a size: it may load the cache and measure the
     candidates at the grid sizes around ``nbytes``."""
     user = _WORLD if comm is None else comm
@@ -459,7 +479,7 @@ def explain(
     plan = ctx.cache.get(key)
     if plan is None:
         plan = ctx.cache[key] = _Auto(Request(user, ctx, layout, grid))
-    return plan.selector.choose(nbytes, xp, validation.enabled(validate), native.unsupported(dtype, op) is None)
+    return plan.explain(nbytes, xp, validation.enabled(validate), native.unsupported(dtype, op) is None)
 
 
 def cost_params(comm: MPI.Comm | None = None, *, layout: RanksPerNode = None, device: str = "cpu") -> costmodel.Params:

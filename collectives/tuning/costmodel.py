@@ -337,7 +337,8 @@ class Choice:
     ``predictions`` are every candidate's predicted or measured seconds, least
     first; ``source`` says where they come from: "model" (this module),
     "calibration" or "online tuning" (:mod:`collectives.tuning.table`), "cached
-    ..." where the persisted cache held them."""
+    ..." where the persisted cache held them, "watch" where the choice's rival
+    took its place on the program's calls (:mod:`collectives.tuning.watch`)."""
 
     algorithm: str
     nbytes: int

@@ -150,8 +150,9 @@ class Selector:
         """The watch on ``choice`` (:mod:`collectives.tuning.watch`) where it was measured,
         takes at least :data:`~collectives.tuning.watch.SHORTEST` and has not drifted
         :data:`~collectives.tuning.watch.RETRIES` times, with rank 0's ``watch`` switch on
-        (collective then). Its windows time the real calls where every rank has a core
-        (:attr:`timeable`); with rank 0's deterministic tuning its one window is rehearsed
+        (collective then). Its windows time the real calls, and probe :meth:`rivals` on them,
+        where every rank has a core (:attr:`timeable`); with rank 0's deterministic tuning
+        its one window is rehearsed
         here instead, on a copy of ``x``, as one batch, and a drifted choice measured and
         made anew: (that choice, None)."""
         expected = choice.predictions.get(choice.algorithm, 0.0)
@@ -162,14 +163,25 @@ class Selector:
             mode = self.ctx.comm.bcast(settings.current(), root=0)
         if not mode.watch:
             return choice, None
-        watch = Watch(expected, self.ctx.comm)
         if not mode.deterministic:  # single calls are timed: only where every rank has a core
-            return choice, watch if self.timeable else None
+            rivals = self.rivals(choice, xp, validate, dtype_ok)
+            return choice, Watch(choice.algorithm, expected, self.ctx.comm, rivals) if self.timeable else None
+        watch = Watch(choice.algorithm, expected, self.ctx.comm)
         watch.on_drift = lambda seconds: self.forget(choice, xp, seconds)
         watch.rehearse(self.runs[choice.algorithm], x, red)
         if watch.drifted:
             choice = self.choose(choice.nbytes, xp, validate, dtype_ok)
         return choice, None
+
+    def rivals(self, choice: Choice, xp: Any, validate: bool, dtype_ok: bool) -> dict[str, float]:
+        """The candidates a watch on ``choice`` probes, with their seconds a call: every
+        candidate but the choice, as calibrated (the times of one scale, batches of
+        calls, where the choice was tuned online too)."""
+        _, table = self.table(xp)
+        names, nbytes = self.candidates(xp, dtype_ok), choice.nbytes
+        times = table.estimates(nbytes, names, validate, lambda name: check_rides(name, nbytes, self.layout))
+        times.pop(choice.algorithm, None)
+        return times
 
     def forget(self, choice: Choice, xp: Any, seconds: float) -> None:
         """Drop the measurements ``choice`` came from, its algorithm having taken ``seconds``

@@ -10,8 +10,8 @@ switch               environment (default)    what it does
                      (1)                      finds close on the first calls of a size
                                               band, keep the fastest
                                               (:mod:`collectives.tuning.online`)
-``watch``            ``MPIDL_WATCH`` (1)      time the choice's calls, measure anew where
-                                              they drift from the measurement
+``watch``            ``MPIDL_WATCH`` (1)      time the choice's calls, probe its rivals
+                                              on them, measure anew where they drift
                                               (:mod:`collectives.tuning.watch`)
 ``deterministic``    ``MPIDL_DETERMINISTIC``  tune, and watch, on a copy of the first
                      (0)                      call's buffer, so that every real call of a

@@ -88,6 +88,19 @@ class Table:
         not excluded; :func:`band_key`)."""
         return band_key(nbytes, [c for c in candidates if c not in self.excluded])
 
+    def estimates(
+        self, nbytes: int, candidates: Iterable[str], validate: bool, check_rides: Callable[[str], bool]
+    ) -> dict[str, float]:
+        """Every candidate's (not excluded) estimated time for ``nbytes`` from the grid,
+        with the argument check where it does not ride along; those whose grid sizes
+        are not measured are left out."""
+        times = {c: t for c in candidates if c not in self.excluded and (t := self.estimate(c, nbytes)) is not None}
+        return self._checked(times, validate, check_rides)
+
+    def _checked(self, times: dict[str, float], validate: bool, check_rides: Callable[[str], bool]) -> dict[str, float]:
+        check = (self.check or 0.0) if validate else 0.0
+        return {c: t + (0.0 if check_rides(c) else check) for c, t in times.items()}
+
     def decide(
         self,
         nbytes: int,
@@ -100,17 +113,14 @@ class Table:
         check if ``validate``), every candidate's estimate and the reason (``where``:
         the communicator, for it); the grid sizes :func:`needed` names must be measured."""
         candidates = list(candidates)
-        names = [c for c in candidates if c not in self.excluded]
         key = self.band(nbytes, candidates)
         tuned = self.tuned.get(key)
         if tuned:
-            times, source = dict(tuned), "online tuning"
+            preds, source = self._checked(tuned, validate, check_rides), "online tuning"
             origin: Any = key
         else:
-            times = {c: t for c in names if (t := self.estimate(c, nbytes)) is not None}
+            preds = self.estimates(nbytes, candidates, validate, check_rides)
             source, origin = "calibration", needed(nbytes)[-1]
-        check = self.check or 0.0
-        preds = {c: t + (check if validate and not check_rides(c) else 0.0) for c, t in times.items()}
         ranked = sorted(preds, key=lambda c: (preds[c], c))
         best = ranked[0]
         if origin in self.loaded:

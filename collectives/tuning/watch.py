@@ -1,4 +1,4 @@
-"""Watching ``auto``'s choice: its calls timed against what its measurement promised.
+"""Watching ``auto``'s choice: its calls timed against what was measured, and against a rival's.
 
 STAR-MPI (Faraj, Yuan & Lowenthal, "STAR-MPI: self tuned adaptive routines
 for MPI collective operations", ICS 2006) does not stop at selecting: it
@@ -6,7 +6,7 @@ monitors the selected algorithm on the program's calls and selects again
 when its performance changes. A machine's speed for one algorithm can change
 while another's does not (docs/performance.rst, "A machine that changes"),
 so a choice measured earlier in the process, or persisted by another
-process, can be wrong now.
+process, can be wrong now, and later right again.
 
 A :class:`Watch` belongs to one of ``auto``'s decisions (a size, memory and
 dtype on one communicator) whose expected time is at least
@@ -14,27 +14,54 @@ dtype on one communicator) whose expected time is at least
 algorithm's). It collects the times of :data:`WINDOW` calls; then the ranks
 agree on them with one ``MPI_Allreduce`` (per call the least of the ranks'
 times, as online tuning takes it: the rank that came last waited for no
-one). If their median is over :data:`DRIFT` times the expected time, the
-decision has *drifted*: ``auto`` drops the measurements it came from, and
-the next call of that size measures and decides anew. Every rank learns it
-at the same call, so every rank takes the same steps. Windows follow at
-gaps that double up to :data:`LONGEST_GAP` calls (one small all-reduce per
-some hundreds of calls, once settled); a decision is measured anew at most
-:data:`RETRIES` times per process.
+one) and judge their median. Windows follow at gaps that double up to
+:data:`LONGEST_GAP` calls (one small all-reduce per some hundreds of calls,
+once settled). Every rank judges the same agreed times, so every rank
+takes the same steps at the same call.
+
+Phases, on a program's real calls:
+
+1. *Probe.* Every other candidate is a *rival*, with its last known time
+   (measured, then from its probes). They take turns: next is one that
+   may be faster than the choice, else the one probed longest ago. After a
+   window of the choice, the next :data:`WINDOW` calls run that rival if
+   the calls since the last probe paid for it: its extra cost, ``WINDOW *
+   (rival - choice)``, within :data:`PROBE_SHARE` of their time (at once
+   where it may be the faster; the window comes early where a probe is
+   paid for before the gap is over). If the rival's median beats the choice's by
+   :data:`MARGIN`, the two change places; else the rival's time is noted (a
+   slower rival costs more, so the turns come more rarely) and the choice
+   runs on.
+2. *Drift.* A window whose median is over :data:`DRIFT` times the expected
+   time (the choice's measurement, or its first window after a change of
+   places) first probes the fastest rival; if that does not beat it, the
+   decision has *drifted*: ``auto`` drops the measurements it came from,
+   and the next call of that size measures and decides anew. A decision is
+   measured anew at most :data:`RETRIES` times per process; changes of
+   places are not limited.
+
+So ``auto`` follows a machine whose speed for one algorithm comes and goes
+(a probe brings the better one back), and mends a measurement that ranked
+the candidates wrongly, at a cost of at most :data:`PROBE_SHARE` of the
+time, one probe of each rival that was slower than its measurement said,
+and the windows' all-reduces.
 
 With deterministic tuning (:mod:`collectives.tuning.settings`) every real call
-of a size must run one algorithm: the one window is rehearsed on a copy of
-the first call's buffer before that call runs (:meth:`Watch.rehearse`, one
-batch, as online tuning rehearses), and no later window follows.
+of a size must run one algorithm: there are no rivals, the one window is
+rehearsed on a copy of the first call's buffer before that call runs
+(:meth:`Watch.rehearse`, one batch, as online tuning rehearses; a batch
+that drifted is rehearsed once more, and the faster of the two judged), and
+no later window follows.
 
 Cost: two clock readings per watched call, one ``MPI_Allreduce`` of
-:data:`WINDOW` doubles per window; a drift costs what the first measurement
-of that size did (every candidate at the grid sizes around it,
-:mod:`collectives.tuning.sweep`), at most :data:`RETRIES` times.
+:data:`WINDOW` doubles per window; a probe at most :data:`PROBE_SHARE` of
+the time; a drift what the first measurement of that size did (every
+candidate at the grid sizes around it, :mod:`collectives.tuning.sweep`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -56,28 +83,66 @@ SHORTEST = 100e-6
 LONGEST_GAP = 1024
 #: Most times one decision is measured anew in a process.
 RETRIES = 2
+#: Most share of the calls' time that probing the rivals may cost.
+PROBE_SHARE = 0.03
+#: A rival takes the choice's place where its median is below the choice's by this factor.
+MARGIN = 1.1
 #: What the stall inspector says a rank waits in.
 DURING = "auto's watch on its choice"
 
 
 class Watch:
     """The watch on one of ``auto``'s decisions (module docstring): :meth:`record` each
-    call's seconds, or :meth:`rehearse` its one window."""
+    call's seconds, running :attr:`running`, or :meth:`rehearse` its one window."""
 
-    __slots__ = ("comm", "drifted", "expected", "gap", "on_drift", "skip", "times")
+    __slots__ = (
+        "calls",
+        "chosen",
+        "comm",
+        "drifted",
+        "expected",
+        "gap",
+        "last",
+        "on_drift",
+        "paid",
+        "probed",
+        "rivals",
+        "running",
+        "skip",
+        "story",
+        "suspect",
+        "times",
+        "version",
+    )
 
-    def __init__(self, expected: float, comm: MPI.Comm) -> None:
-        self.expected, self.comm = expected, comm
+    def __init__(self, chosen: str, expected: float, comm: MPI.Comm, rivals: dict[str, float] | None = None) -> None:
+        self.chosen, self.expected, self.comm = chosen, expected, comm
+        #: The candidates probed against the choice, with their last known seconds a call.
+        self.rivals = dict(rivals or {})
+        self.calls = 0  # calls recorded
+        self.probed = dict.fromkeys(self.rivals, 0)  # per rival, the calls recorded when it was last probed
+        self.paid = 0  # the calls recorded when a rival was last probed
+        #: The algorithm the next calls run: the choice, or a rival while it is probed.
+        self.running = chosen
+        #: Counts the changes of :attr:`running` and the drift: a call bound at another
+        #: version binds anew.
+        self.version = 0
+        #: How the choice took a rival's place ("" until one did).
+        self.story = ""
         self.times: list[float] = []
+        self.last = expected  # the choice's latest window
+        self.suspect = False  # the probe running was started by a drift
         self.skip = 0  # calls before the next window
         self.gap = WINDOW  # the next gap
-        #: Set, on every rank at the same call, once a window has found a drift.
+        #: Set, on every rank at the same call, once the choice has drifted.
         self.drifted = False
-        #: Called with the window's seconds per call when it finds a drift.
+        #: Called with the drifted window's seconds per call.
         self.on_drift: Callable[[float], None] = lambda seconds: None
 
     def record(self, seconds: float) -> None:
-        """Note one call's time; at a window's last call, agree and judge (collective)."""
+        """Note one call's time (of :attr:`running`); at a window's last call, agree and
+        judge (collective)."""
+        self.calls += 1
         if self.skip:
             self.skip -= 1
             return
@@ -87,25 +152,97 @@ class Watch:
             self.times.clear()
             with waiting(self.comm, "Allreduce of the watched calls' times", DURING):
                 self.comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MIN)
-            self._judge(float(np.median(times)))
+            median = float(np.median(times))
+            if self.running == self.chosen:
+                self._judge(median)
+            else:
+                self._compare(median)
 
     def rehearse(self, run: Run, x: Any, red: Reduction) -> None:
         """Time :data:`WINDOW` calls of ``run`` on a copy of ``x`` as one batch, after one
-        untimed call (its scratch and pages), and judge them (collective)."""
+        untimed call (its scratch and pages), and judge them; a batch that drifted is
+        timed once more and the faster judged (a busy moment of the node slows one batch
+        as often as a changed machine does; collective)."""
         copy = x.copy()
         run(copy, red)
+        seconds = self._batch(run, copy, red)
+        if seconds > DRIFT * self.expected:
+            seconds = min(seconds, self._batch(run, copy, red))
+        self._judge(seconds)
+
+    def _batch(self, run: Run, x: Any, red: Reduction) -> float:
+        """Seconds a call of :data:`WINDOW` calls of ``run`` on ``x`` in a row, the least of
+        the ranks' (collective)."""
         start = time.perf_counter()
         for _ in range(WINDOW):
-            run(copy, red)
+            run(x, red)
         if type(x) is not np.ndarray:
             gpu.synchronize()
         took = np.array([(time.perf_counter() - start) / WINDOW])
         with waiting(self.comm, "Allreduce of the rehearsed calls' time", DURING):
             self.comm.Allreduce(MPI.IN_PLACE, took, op=MPI.MIN)
-        self._judge(float(took[0]))
+        return float(took[0])
 
     def _judge(self, seconds: float) -> None:
+        """A window of the choice: probe a rival at once, or drift, or wait for the next."""
+        self.last = seconds
+        drifted = seconds > DRIFT * self.expected
+        rival = self._turn()
+        if rival is not None and self._owed(rival) > 0:  # not paid for yet: after a drift, the fastest
+            rival = min(self.rivals, key=self.rivals.__getitem__) if drifted else None
+        if rival is not None:
+            self.suspect = drifted
+            self._run(rival)
+        elif drifted:
+            self._drift()
+        else:
+            self._wait()
+
+    def _compare(self, seconds: float) -> None:
+        """A window of a rival: it takes the choice's place if it won, else the choice runs on."""
+        rival = self.running
+        self.probed[rival] = self.paid = self.calls
+        if seconds * MARGIN < self.last:
+            self.story = (
+                f"{rival} took the place of {self.chosen} on real calls: "
+                f"{seconds * 1e6:.1f} us a call against {self.last * 1e6:.1f}"
+            )
+            del self.rivals[rival], self.probed[rival]
+            self.rivals[self.chosen], self.probed[self.chosen] = self.last, self.calls
+            self.chosen, self.expected, self.last = rival, seconds, seconds
+            self.skip, self.gap = WINDOW, 2 * WINDOW  # the new choice is looked at again soon
+            return
+        self.rivals[rival] = seconds
+        self._run(self.chosen)
+        if self.suspect:
+            self._drift()
+        else:
+            self._wait()
+
+    def _turn(self) -> str | None:
+        """The rival whose turn it is: one that may be faster than the choice, else the
+        one probed longest ago (the fastest of those)."""
+        times, last = self.rivals, self.last
+        return min(times, key=lambda r: (times[r] > last, self.probed[r], times[r]), default=None)
+
+    def _owed(self, rival: str) -> int:
+        """Calls still to come before those since the last probe pay for probing ``rival``."""
+        cost = WINDOW * (self.rivals[rival] - self.last)
+        return math.ceil(cost / (self.last * PROBE_SHARE)) - (self.calls - self.paid) if cost > 0 else 0
+
+    def _wait(self) -> None:
+        """Skip calls to the next window: the gap, or fewer where the next probe is paid
+        for sooner (its window of the choice comes right before it)."""
         self.skip, self.gap = self.gap, min(2 * self.gap, LONGEST_GAP)
-        if seconds > DRIFT * self.expected:
-            self.drifted = True
-            self.on_drift(seconds)
+        rival = self._turn()
+        if rival is not None:
+            self.skip = min(self.skip, max(self._owed(rival) - WINDOW, 0))
+
+    def _run(self, name: str) -> None:
+        self.running = name
+        self.version += 1
+
+    def _drift(self) -> None:
+        self.drifted = True
+        self.version += 1
+        self.on_drift(self.last)
