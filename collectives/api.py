@@ -23,6 +23,7 @@ dropped its calls at :data:`_CALLS`) still take the same path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import time
@@ -94,7 +95,7 @@ class _Auto:
                 log.debug("%s", choice.reason)
             choice, watch = self.selector.watch(choice, xp, validate, dtype_ok, x, red)
             if watch is not None:
-                watch.on_drift = lambda seconds: self.drifted(key, choice, seconds)
+                watch.on_drift = functools.partial(self.drifted, key, watch)
             chosen = self.chosen[key] = choice.algorithm, watch
         name, watch = chosen
         if watch is not None:  # the watch's choice, or its rival while probed
@@ -112,12 +113,12 @@ class _Auto:
             choice, algorithm=watch.chosen, reason=f"{choice.reason}; {watch.story}", source="watch"
         )
 
-    def drifted(self, key: tuple[int, Any, bool, bool], choice: Choice, seconds: float) -> None:
-        """A watch found ``choice`` (of ``key``) taking ``seconds`` a call, beyond its
-        measurement: forget both, so the next call of ``key`` chooses anew (every rank
+    def drifted(self, key: tuple[int, Any, bool, bool], watch: Watch, seconds: float) -> None:
+        """``watch`` found its choice (of ``key``) taking ``seconds`` a call, beyond what
+        was expected: forget both, so the next call of ``key`` chooses anew (every rank
         learns it at the same call, :mod:`collectives.tuning.watch`)."""
         del self.chosen[key]
-        self.selector.forget(choice, key[1], seconds)
+        self.selector.forget(key[0], key[1], watch.chosen, watch.expected, seconds)
 
     def free(self) -> None:
         """Persist what was measured and tuned (:meth:`Selector.save`)."""

@@ -152,9 +152,8 @@ class Selector:
         :data:`~collectives.tuning.watch.RETRIES` times, with rank 0's ``watch`` switch on
         (collective then). Its windows time the real calls, and probe :meth:`rivals` on them,
         where every rank has a core (:attr:`timeable`); with rank 0's deterministic tuning
-        its one window is rehearsed
-        here instead, on a copy of ``x``, as one batch, and a drifted choice measured and
-        made anew: (that choice, None)."""
+        its one window is rehearsed here instead, on a copy of ``x``, as one batch, and a
+        drifted choice measured and made anew: (that choice, None)."""
         expected = choice.predictions.get(choice.algorithm, 0.0)
         drifts, _ = self.drifts.get((_memory(xp), band(choice.nbytes)), (0, ""))
         if not choice.source.endswith(("calibration", "tuning")) or expected < SHORTEST or drifts >= RETRIES:
@@ -167,7 +166,7 @@ class Selector:
             rivals = self.rivals(choice, xp, validate, dtype_ok)
             return choice, Watch(choice.algorithm, expected, self.ctx.comm, rivals) if self.timeable else None
         watch = Watch(choice.algorithm, expected, self.ctx.comm)
-        watch.on_drift = lambda seconds: self.forget(choice, xp, seconds)
+        watch.on_drift = lambda seconds: self.forget(choice.nbytes, xp, choice.algorithm, expected, seconds)
         watch.rehearse(self.runs[choice.algorithm], x, red)
         if watch.drifted:
             choice = self.choose(choice.nbytes, xp, validate, dtype_ok)
@@ -183,12 +182,12 @@ class Selector:
         times.pop(choice.algorithm, None)
         return times
 
-    def forget(self, choice: Choice, xp: Any, seconds: float) -> None:
-        """Drop the measurements ``choice`` came from, its algorithm having taken ``seconds``
-        a call (a watch's drift), so that the next :meth:`choose` of its size measures anew
-        (no communication: every rank learns of a drift at the same call)."""
+    def forget(self, nbytes: int, xp: Any, name: str, expected: float, seconds: float) -> None:
+        """Drop the measurements of ``nbytes``, whose choice ``name`` took ``seconds`` a call
+        where ``expected`` were (a watch's drift), so that the next :meth:`choose` of the
+        size measures anew (no communication: every rank learns of a drift at the same call)."""
         memory, table = self.table(xp)
-        nbytes, name, where = choice.nbytes, choice.algorithm, (memory, band(choice.nbytes))
+        where = (memory, band(nbytes))
         for size in needed(nbytes):
             table.points.pop(size, None)
             table.loaded.discard(size)
@@ -198,10 +197,7 @@ class Selector:
             table.loaded.discard(key)
         self.changed.add(memory)
         drifts, _ = self.drifts.get(where, (0, ""))
-        story = (
-            f"measured anew: {name} took {seconds * 1e6:.1f} us a call where "
-            f"{choice.predictions[name] * 1e6:.1f} us were expected"
-        )
+        story = f"measured anew: {name} took {seconds * 1e6:.1f} us a call where {expected * 1e6:.1f} us were expected"
         self.drifts[where] = (drifts + 1, story)
         log.info("auto on %d ranks, %d B: %s", self.ctx.size, nbytes, story)
 

@@ -28,10 +28,10 @@ Phases, on a program's real calls:
    the calls since the last probe paid for it: its extra cost, ``WINDOW *
    (rival - choice)``, within :data:`PROBE_SHARE` of their time (at once
    where it may be the faster; the window comes early where a probe is
-   paid for before the gap is over). If the rival's median beats the choice's by
-   :data:`MARGIN`, the two change places; else the rival's time is noted (a
-   slower rival costs more, so the turns come more rarely) and the choice
-   runs on.
+   paid for before the gap is over). If the rival's median beats the
+   choice's by :data:`MARGIN`, the two change places; else the rival's time
+   is noted (a slower rival costs more, so the turns come more rarely) and
+   the choice runs on.
 2. *Drift.* A window whose median is over :data:`DRIFT` times the expected
    time (the choice's measurement, or its first window after a change of
    places) first probes the fastest rival; if that does not beat it, the
