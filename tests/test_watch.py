@@ -35,10 +35,10 @@ def feed(w: Watch, times: dict[str, float], calls: int) -> list[str]:
 
 
 def test_a_faster_rival_takes_the_choices_place() -> None:
-    """After a window of the choice, the rival known to be the fastest (here as fast as
-    the choice) is probed at once; beating the choice by more than MARGIN, it becomes
-    the choice (a new version, so bound calls bind anew), and the choice a rival."""
-    w = Watch("shm", 1.0, MPI.COMM_SELF, rivals={"ring": 1.0, "torus2d": 1.2})
+    """After a window of the choice, a rival whose known time would beat it is probed at
+    once; beating the choice by more than MARGIN, it becomes the choice (a new version,
+    so bound calls bind anew), and the choice a rival."""
+    w = Watch("shm", 1.0, MPI.COMM_SELF, rivals={"ring": 0.8, "torus2d": 1.2})
     ran = feed(w, {"shm": 1.0, "ring": 0.5, "torus2d": 1.2}, 2 * WINDOW)
     assert ran == ["shm"] * WINDOW + ["ring"] * WINDOW
     assert (w.chosen, w.running, w.rivals, w.expected) == ("ring", "ring", {"torus2d": 1.2, "shm": 1.0}, 0.5)
@@ -51,7 +51,7 @@ def test_slower_rivals_are_probed_in_turn_within_their_share() -> None:
     turns, each probed when the calls since the last probe paid for its extra cost with
     PROBE_SHARE of their time: over a long run the probes cost no more, but for the
     first probe of each rival at its measured time."""
-    w = Watch("shm", 1.0, MPI.COMM_SELF, rivals={"ring": 1.0, "torus2d": 1.5})
+    w = Watch("shm", 1.0, MPI.COMM_SELF, rivals={"ring": 0.8, "torus2d": 1.5})
     times = {"shm": 1.0, "ring": 4.0, "torus2d": 2.0}
     ran = feed(w, times, 40000)
     assert ran[WINDOW : 2 * WINDOW] == ["ring"] * WINDOW  # the first probe, at once
@@ -62,6 +62,17 @@ def test_slower_rivals_are_probed_in_turn_within_their_share() -> None:
     assert min(probes.values()) >= 2 and abs(probes["ring"] - probes["torus2d"]) <= 1
     assert extra <= watch.PROBE_SHARE * len(ran) * times["shm"] + first
     assert w.version == 2 * sum(probes.values()) and not w.drifted
+
+
+def test_a_close_rival_is_not_probed_at_every_window() -> None:
+    """A rival within MARGIN of the choice (here 5 % slower) is probed when the calls have
+    paid for what a rival within the margin could cost: windows stay apart and the probes
+    within PROBE_SHARE of the time."""
+    w = Watch("shm", 1.0, MPI.COMM_SELF, rivals={"ring": 1.05})
+    ran = feed(w, {"shm": 1.0, "ring": 1.05}, 20000)
+    probes = ran.count("ring") // WINDOW
+    assert 0 < probes * WINDOW * (watch.MARGIN - 1) <= watch.PROBE_SHARE * len(ran)
+    assert w.chosen == "shm" and w.rivals == {"ring": 1.05}
 
 
 def test_a_drift_probes_the_rival_before_it_measures_anew() -> None:

@@ -22,13 +22,15 @@ takes the same steps at the same call.
 Phases, on a program's real calls:
 
 1. *Probe.* Every other candidate is a *rival*, with its last known time
-   (measured, then from its probes). They take turns: next is one that
-   may be faster than the choice, else the one probed longest ago. After a
-   window of the choice, the next :data:`WINDOW` calls run that rival if
-   the calls since the last probe paid for it: its extra cost, ``WINDOW *
-   (rival - choice)``, within :data:`PROBE_SHARE` of their time (at once
-   where it may be the faster; the window comes early where a probe is
-   paid for before the gap is over). If the rival's median beats the
+   (measured, then from its probes). They take turns: next is one whose
+   known time beats the choice's by :data:`MARGIN`, else the one probed
+   longest ago. After a window of the choice, the next :data:`WINDOW` calls
+   run that rival: at once where its time would beat the choice, else when
+   the calls since the last probe have paid for it, its extra cost
+   ``WINDOW * (rival - choice)`` (at least ``WINDOW * (MARGIN - 1) *
+   choice``, so that a close rival is not probed at every window) within
+   :data:`PROBE_SHARE` of their time (the window comes early where a probe
+   is paid for before the gap is over). If the rival's median beats the
    choice's by :data:`MARGIN`, the two change places; else the rival's time
    is noted (a slower rival costs more, so the turns come more rarely) and
    the choice runs on.
@@ -188,8 +190,8 @@ class Watch:
         self.last = seconds
         drifted = seconds > DRIFT * self.expected
         rival = self._turn()
-        if rival is not None and self._owed(rival) > 0:  # not paid for yet: after a drift, the fastest
-            rival = min(self.rivals, key=self.rivals.__getitem__) if drifted else None
+        if rival is not None and not self._promising(rival) and self._owed(rival) > 0:
+            rival = min(self.rivals, key=self.rivals.__getitem__) if drifted else None  # after a drift, the fastest
         if rival is not None:
             self.suspect = drifted
             self._run(rival)
@@ -220,15 +222,24 @@ class Watch:
             self._wait()
 
     def _turn(self) -> str | None:
-        """The rival whose turn it is: one that may be faster than the choice, else the
-        one probed longest ago (the fastest of those)."""
-        times, last = self.rivals, self.last
-        return min(times, key=lambda r: (times[r] > last, self.probed[r], times[r]), default=None)
+        """The rival whose turn it is: one that would beat the choice if its time held,
+        else the one probed longest ago (the fastest of those)."""
+        return min(
+            self.rivals,
+            key=lambda r: (not self._promising(r), self.probed[r], self.rivals[r]),
+            default=None,
+        )
+
+    def _promising(self, rival: str) -> bool:
+        """Whether ``rival``'s known time beats the choice's latest by :data:`MARGIN`."""
+        return self.rivals[rival] * MARGIN < self.last
 
     def _owed(self, rival: str) -> int:
-        """Calls still to come before those since the last probe pay for probing ``rival``."""
-        cost = WINDOW * (self.rivals[rival] - self.last)
-        return math.ceil(cost / (self.last * PROBE_SHARE)) - (self.calls - self.paid) if cost > 0 else 0
+        """Calls still to come before those since the last probe pay for probing ``rival``:
+        its extra time over the choice's, at least what a rival within :data:`MARGIN`
+        could cost (so that a close rival is not probed at every window)."""
+        cost = WINDOW * max(self.rivals[rival] - self.last, (MARGIN - 1) * self.last)
+        return math.ceil(cost / (self.last * PROBE_SHARE)) - (self.calls - self.paid)
 
     def _wait(self) -> None:
         """Skip calls to the next window: the gap, or fewer where the next probe is paid
@@ -236,7 +247,7 @@ class Watch:
         self.skip, self.gap = self.gap, min(2 * self.gap, LONGEST_GAP)
         rival = self._turn()
         if rival is not None:
-            self.skip = min(self.skip, max(self._owed(rival) - WINDOW, 0))
+            self.skip = min(self.skip, max(0 if self._promising(rival) else self._owed(rival) - WINDOW, 0))
 
     def _run(self, name: str) -> None:
         self.running = name
