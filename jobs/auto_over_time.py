@@ -73,7 +73,7 @@ def main() -> None:
         ran = collectives.explain(x.nbytes, watched).algorithm  # collective: it may measure after a drift
         kept = collectives.explain(x.nbytes, fixed).algorithm
         if world.rank == 0:
-            line = "  ".join(f"{name} {times[-1] * 1e3:6.2f}" for name, times in rounds.items())
+            line = "  ".join(f"{name} {times[-1] * 1e3:7.3f}" for name, times in rounds.items())
             print(time.strftime("%H:%M:%S"), line, f"(auto ran {ran}; without the watch {kept})", flush=True)
     if world.rank == 0:
         fastest = [min(times) for times in zip(*rounds.values())]
@@ -81,11 +81,11 @@ def main() -> None:
         for name, times in rounds.items():
             within = sum(t <= 1.10 * f for t, f in zip(times, fastest))
             print(
-                f"{name:15s} mean {statistics.mean(times) * 1e3:7.2f}  median {statistics.median(times) * 1e3:7.2f}"
+                f"{name:15s} mean {statistics.mean(times) * 1e3:8.3f}  median {statistics.median(times) * 1e3:8.3f}"
                 f"  over the round's fastest: mean {statistics.mean(t / f for t, f in zip(times, fastest)):5.2f},"
                 f" within 1.10 in {within} of {len(fastest)} rounds"
             )
-        print(f"{'fastest':15s} mean {statistics.mean(fastest) * 1e3:7.2f}  (each round's fastest way)")
+        print(f"{'fastest':15s} mean {statistics.mean(fastest) * 1e3:8.3f}  (each round's fastest way)")
 
 
 if __name__ == "__main__":
