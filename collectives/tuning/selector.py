@@ -101,7 +101,7 @@ class Selector:
             table.check = sweep.check_time(self.ctx)
             self.changed.add(memory)
         where = f"on {self.ctx.size} ranks ({self.layout})"
-        choice = table.decide(nbytes, names, validate, lambda name: check_rides(name, nbytes, self.layout), where)
+        choice = table.decide(nbytes, names, validate, self._rides(nbytes), where)
         drifts = self.drifts.get((memory, band(nbytes)))
         if drifts is not None:
             choice.reason += f" ({drifts[1]})"
@@ -163,8 +163,9 @@ class Selector:
         if not mode.watch:
             return choice, None
         if not mode.deterministic:  # single calls are timed: only where every rank has a core
-            rivals = self.rivals(choice, xp, validate, dtype_ok)
-            return choice, Watch(choice.algorithm, expected, self.ctx.comm, rivals) if self.timeable else None
+            if not self.timeable:
+                return choice, None
+            return choice, Watch(choice.algorithm, expected, self.ctx.comm, self.rivals(choice, xp, validate, dtype_ok))
         watch = Watch(choice.algorithm, expected, self.ctx.comm)
         watch.on_drift = lambda seconds: self.forget(choice.nbytes, xp, choice.algorithm, expected, seconds)
         watch.rehearse(self.runs[choice.algorithm], x, red)
@@ -178,7 +179,7 @@ class Selector:
         calls, where the choice was tuned online too)."""
         _, table = self.table(xp)
         names, nbytes = self.candidates(xp, dtype_ok), choice.nbytes
-        times = table.estimates(nbytes, names, validate, lambda name: check_rides(name, nbytes, self.layout))
+        times = table.estimates(nbytes, names, validate, self._rides(nbytes))
         times.pop(choice.algorithm, None)
         return times
 
@@ -219,6 +220,10 @@ class Selector:
             key, table = self.tables[memory]
             cache.save(key, table)
         self.changed.clear()
+
+    def _rides(self, nbytes: int) -> Callable[[str], bool]:
+        """Whether the argument check rides with a candidate's data at ``nbytes``."""
+        return lambda name: check_rides(name, nbytes, self.layout)
 
     def _measure(self, memory: str, table: Table, size: int, xp: Any) -> None:
         names = self.candidates(xp)
