@@ -87,11 +87,13 @@ class Selector:
     def choose(self, nbytes: int, xp: Any = np, validate: bool = False, dtype_ok: bool = True) -> Choice:
         """What ``auto`` runs for ``nbytes`` of ``xp`` memory now, every candidate's time
         and the reason (collective where a grid size or the check must be measured)."""
-        if self.ctx.size == 1:
-            name = self.candidates(xp, dtype_ok)[0]
-            return Choice(name, nbytes, {}, f"auto: {name} for {nbytes} B on 1 rank: nothing moves", "one rank")
         if self.model:
             return choose(nbytes, self.layout, self.params(xp), self.grid, self.candidates(xp, dtype_ok), validate)
+        if self.ctx.size == 1:
+            name = self.candidates(xp, dtype_ok)[0]
+            return Choice(
+                name, nbytes, {name: 0.0}, f"auto: {name} for {nbytes} B on 1 rank: nothing moves", "one rank"
+            )
         memory, table = self.table(xp)  # first: it probes the device transport, which decides "mpi"
         names = self.candidates(xp, dtype_ok)
         for size in needed(nbytes):
