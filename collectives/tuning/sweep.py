@@ -2,11 +2,16 @@
 
 :func:`point` times each candidate plan on a float32 sum of the grid size:
 
-1. a warm-up call each (scratch buffers, pages, the plan's first use), then
-   a second; each barrier-aligned and timed, the less of the two kept, the
-   slowest rank's. A candidate over :data:`PRUNE` times the fastest is not
-   timed further (that time is kept), so that hopeless candidates cost two
-   calls;
+1. a warm-up call each (scratch buffers, pages, the plan's first use),
+   barrier-aligned and timed, the slowest rank's;
+2. a first batch each, of as many calls as that time fits in about
+   :data:`BATCH_TIME` (one call at large sizes), its time per call the slowest
+   rank's. A candidate over :data:`PRUNE` times the fastest there is not timed
+   further (that time is kept), so that hopeless candidates cost one batch.
+   A batch, not a single call: at a few microseconds a single call's time is
+   mostly the ranks' skew leaving the barrier and the machine's jitter, which
+   pruned the fastest candidate at 4 KiB on a 2-core machine
+   (docs/performance.rst, "auto in fresh processes");
 3. :data:`ROUNDS` rounds in which the remaining candidates take turns (the
    order rotating from round to round, so that slow drift of a busy machine
    and one candidate's cache footprint hit all alike), each a barrier-aligned
@@ -68,11 +73,11 @@ def point(ctx: Context, runs: Mapping[str, Run], nbytes: int, xp: Any = np) -> d
             gpu.synchronize()
         return (time.perf_counter() - t0) / calls
 
-    warm = [batch(name, 1) for name in names]
-    first = dict(zip(names, _slowest(comm, [min(w, batch(name, 1)) for name, w in zip(names, warm)])))
+    warm = dict(zip(names, _slowest(comm, [batch(name, 1) for name in names])))
+    first = dict(zip(names, _slowest(comm, [batch(name, _calls(warm[name])) for name in names])))
     fastest = min(first.values())
     kept = [name for name in names if first[name] <= PRUNE * fastest]
-    calls = {name: max(1, min(MAX_CALLS, round(BATCH_TIME / max(first[name], 1e-9)))) for name in kept}
+    calls = {name: _calls(first[name]) for name in kept}
     samples: list[float] = []
     for r in range(ROUNDS):
         turn = kept[r % len(kept) :] + kept[: r % len(kept)]
@@ -81,6 +86,11 @@ def point(ctx: Context, runs: Mapping[str, Run], nbytes: int, xp: Any = np) -> d
     agreed = np.reshape(_slowest(comm, samples), (ROUNDS, len(kept)))
     medians = {name: statistics.median(agreed[:, j].tolist()) for j, name in enumerate(kept)}
     return {name: medians.get(name, first[name]) for name in names}
+
+
+def _calls(seconds: float) -> int:
+    """Calls of ``seconds`` each that make one batch of about :data:`BATCH_TIME`."""
+    return max(1, min(MAX_CALLS, round(BATCH_TIME / max(seconds, 1e-9))))
 
 
 def identical(ctx: Context, run: Run, nbytes: int, xp: Any = np) -> bool:
