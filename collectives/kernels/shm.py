@@ -131,7 +131,10 @@ class Segment:
         self._counters = memoryview(self._raw[: q * _LINE]).cast("q")
         self._mine = me * _LINE // 8
         self._peers = tuple(i * _LINE // 8 for i in range(q) if i != me)
-        self._headers = memoryview(self._raw[q * _LINE : q * _LINE + 2 * q * HEADER])
+        headers = memoryview(self._raw[q * _LINE : q * _LINE + 2 * q * HEADER])
+        # Per row: every rank's headers, and this rank's own (sliced once: a slice costs per call).
+        self._rows = tuple(headers[r * q * HEADER : (r + 1) * q * HEADER] for r in (0, 1))
+        self._posts = tuple(row[me * HEADER : (me + 1) * HEADER] for row in self._rows)
         self._row = 0
         self._data = control
         self._count = 0
@@ -201,12 +204,11 @@ class Segment:
         """Write this rank's argument header of :data:`HEADER` bytes (every rank
         posts one per check; peers read it after the next barrier)."""
         self._row ^= 1
-        start = (self._row * self.size + self.rank) * HEADER
-        self._headers[start : start + HEADER] = header
+        self._posts[self._row][:] = header
 
     def headers(self) -> bytes:
         """Every rank's last posted header, in rank order."""
-        return self._headers[self._row * self.size * HEADER : (self._row + 1) * self.size * HEADER].tobytes()
+        return self._rows[self._row].tobytes()
 
     def views(self, count: int, dtype: np.dtype) -> _Views:
         """The current buffer's slots as ``count`` elements of ``dtype``, and flip to
@@ -238,7 +240,8 @@ class Segment:
         for the peer)."""
         self._views.clear()
         self._counters.release()
-        self._headers.release()
+        for view in self._posts + self._rows:
+            view.release()
         self._raw = None
         self._win.Unlock_all()
         if self._lost is None:

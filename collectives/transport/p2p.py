@@ -172,9 +172,11 @@ def bytes_by_peer() -> dict[int, int]:
 
 
 def count_sent(nbytes: int, dest: int = SHARED_MEMORY) -> None:
-    """Count ``nbytes`` this thread handed to its peers another way: through shared
-    memory, or (``dest`` :data:`MPI_LIBRARY`) to the MPI library's collectives."""
-    _count(dest, nbytes)
+    """Count ``nbytes`` this thread sent to ``dest``: a world rank (this module's
+    transfers), or sent another way, through shared memory (the default) or
+    (:data:`MPI_LIBRARY`) to the MPI library's collectives."""
+    by_peer = _sent.by_peer  # one look-up of the thread's state: the hot path of small messages
+    by_peer[dest] = by_peer.get(dest, 0) + nbytes
 
 
 def world_ranks(comm: Any) -> Sequence[int]:
@@ -189,15 +191,9 @@ def world_ranks(comm: Any) -> Sequence[int]:
     return table
 
 
-def _count(dest: int, nbytes: int) -> None:
-    """Count ``nbytes`` sent to ``dest`` (a world rank) by this thread."""
-    by_peer = _sent.by_peer  # one look-up of the thread's state: the hot path of small messages
-    by_peer[dest] = by_peer.get(dest, 0) + nbytes
-
-
 def sendrecv(comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> None:
     """Send ``send`` to ``dest`` while receiving exactly ``recv``'s size into it from ``source``."""
-    _count(world_ranks(comm)[dest], send.nbytes)
+    count_sent(send.nbytes, world_ranks(comm)[dest])
     s = watch(comm, (dest, source))
     try:
         if type(send) is np.ndarray and _sent.poll:
@@ -212,7 +208,7 @@ def sendrecv(comm: MPI.Comm, send: Any, dest: int, recv: Any, source: int) -> No
 
 def send(comm: MPI.Comm, buf: Any, dest: int) -> None:
     """Send ``buf`` to ``dest`` (blocking)."""
-    _count(world_ranks(comm)[dest], buf.nbytes)
+    count_sent(buf.nbytes, world_ranks(comm)[dest])
     s = watch(comm, (dest,))
     try:
         if type(buf) is np.ndarray and _sent.poll:
@@ -241,7 +237,7 @@ def recv(comm: MPI.Comm, buf: Any, source: int) -> None:
 
 def isend(comm: MPI.Comm, buf: Any, dest: int) -> Pending:
     """Start sending ``buf`` to ``dest``; ``buf`` must stay unchanged until waited on."""
-    _count(world_ranks(comm)[dest], buf.nbytes)
+    count_sent(buf.nbytes, world_ranks(comm)[dest])
     if type(buf) is np.ndarray:
         return comm.Isend([buf, _BYTE], dest, TAG)
     return DEVICE_TRANSPORTS[type(buf)].isend(comm, buf, dest)
