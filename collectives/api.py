@@ -12,7 +12,9 @@ calibrate the cost model: collective), so nothing of the kind happens per call.
 
 Once the plan exists the check rides with the data where it can: in the
 shared segment when the shared-memory algorithm runs on one node, in the
-messages of small butterfly all-reduces on communicators that span nodes.
+messages of small butterfly all-reduces on communicators that span nodes of
+one rank each, and with small shared-memory all-reduces through the check's
+own stages where nodes hold several ranks (:mod:`collectives.validation`).
 Which way a call goes depends only on what every rank built together (the
 plans, and ``auto``'s choice per size), never on the resolved calls a rank
 happens to keep: a call is bound as soon as its plan exists, so ranks whose
@@ -261,7 +263,7 @@ class _Call:
             p2p.operation(self.operation)
         if self.validate and type(x) is np.ndarray and ctx.size > 1:
             self.carrier = run.carrier(ctx) if isinstance(run, Shm) else None
-            self.fuse = name == "butterfly" and x.nbytes <= validation.FUSE_LIMIT and shm.shared(ctx) is None
+            self.fuse = x.nbytes <= validation.FUSE_LIMIT and _rides_check(ctx, name, run)
         self.run = run
         return run
 
@@ -504,6 +506,21 @@ def _params(comm: MPI.Comm, lay: Layout, ctx: Context, xp: Any = np) -> costmode
 def _plan_key(algorithm: str, layout: RanksPerNode, grid: tuple[int, int] | None) -> tuple[str, str, str]:
     """The key of an algorithm's plan for these options in the context's cache."""
     return ("plan", algorithm, repr((layout, grid)))
+
+
+def _rides_check(ctx: Context, name: str, run: Run) -> bool:
+    """Whether ``run`` (algorithm ``name``) can reduce a small host vector in the check's
+    messages on a communicator whose ranks span nodes (:func:`collectives.validation.check`):
+    the butterfly where the check is one recursive doubling over all ranks, the
+    shared-memory algorithm on the check's own nodes where it goes through them
+    (collective on first use of the communicator's segment and nodes: every rank binds
+    at the same call)."""
+    if shm.shared(ctx) is not None:
+        return False
+    split = validation.nodes(ctx)
+    if split is None:
+        return name == "butterfly"
+    return isinstance(run, Shm) and run.node_of == split.node_of
 
 
 def _key(x: Any, red: Reduction, validate: bool) -> tuple[int, Any, bool, bool]:

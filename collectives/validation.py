@@ -37,6 +37,23 @@ costs lg p small exchanges before the algorithm runs. On a thread whose waits
 poll (:func:`collectives.transport.p2p.poll_waits`) the exchanges poll too, as
 the shared-memory barrier does.
 
+Across nodes of which some hold several ranks (as detected, :func:`nodes`)
+the check goes in three stages: each node's ranks post their headers in the
+node's segment and compare them after one barrier; the node leaders run the
+recursive doubling above among themselves, a node whose headers differed
+entering it with its flag set; each leader posts the verdict in its segment
+and its ranks read it after a second barrier. Only lg m messages cross
+between m nodes (lg p before), and it is the shared-memory algorithm's
+("shm") small vectors that ride along: summed onto each leader by
+:func:`collectives.kernels.shm.allreduce` (``root_only``; its first barrier
+is the node stage's), reduced in the leaders' messages, and handed to the
+node in the segment's result slot, which the leader fills with a clear
+verdict before the second barrier: all in scratch space, copied to the
+caller's buffer once the verdict is clear. The two stages in the segment
+are interchangeable with
+the bare check's, as on one node, so ranks on the bare and on the fused path
+meet at the same barriers and raise alike.
+
 Checking is on by default; pass ``validate=False``, call
 :func:`set_default`, or set ``MPIDL_VALIDATE=0`` before start-up to skip it,
 after which a disagreement is undefined behaviour (an MPI error, a hang or a
@@ -58,6 +75,8 @@ from mpi4py import MPI
 from .errors import ArgumentError
 from .kernels import shm
 from .kernels.fold import fold_of
+from .topology.hierarchy import node_comms
+from .topology.layout import detected
 from .transport import p2p
 from .transport.context import Context
 from .transport.ops import Reduction
@@ -140,30 +159,150 @@ def check(
         seg.barrier()
         verify(ctx, what, problem, signature, names, seg.headers(), fields)
         return False
-    f = fold_of(ctx.rank, ctx.size)
     nbytes = 0 if data is None else data.nbytes
+    if nbytes:
+        assert red is not None, "data to reduce needs its reduction"
+    flag = int(problem is not None)
+    ref: tuple[int, ...] = (0,) * (len(FIELDS) - 1) if problem is not None else tuple(signature)
+    mine = _outgoing(data) if nbytes else None
+    split = nodes(ctx)
+    status = _status(ctx)
+    if split is None:
+        flag = _agree(ctx.comm, status, flag, ref, mine, red)
+    else:
+        flag, mine = _hierarchical(split, status, header(problem, signature), flag, ref, mine, red)
+    if flag:
+        _raise(ctx, what, problem, signature, names(), fields)
+    if mine is not None:
+        np.copyto(data, mine)  # the result: every rank's of a flat check, else the leader's or its node's
+    return bool(nbytes)
+
+
+class Nodes:
+    """How the check of a communicator that spans nodes, some of several ranks, goes:
+    this rank's node's segment (None on a node of one rank), the leaders'
+    communicator (COMM_NULL on a rank that leads no node) and the layout."""
+
+    __slots__ = ("leaders", "node_of", "segment")
+
+    def __init__(self, segment: shm.Segment | None, leaders: MPI.Comm, node_of: tuple[int, ...]) -> None:
+        self.segment, self.leaders, self.node_of = segment, leaders, node_of
+
+
+def nodes(ctx: Context) -> Nodes | None:
+    """The :class:`Nodes` the check of ``ctx``'s communicator goes through where its ranks
+    span several nodes (as detected: no override applies) and some node has several
+    ranks, else None: the check is one recursive doubling over all ranks (collective on
+    first use: it detects, splits and allocates)."""
+    found = ctx.cache.get("validation-nodes", False)
+    if found is False:
+        lay = detected(ctx)
+        found = None
+        if 1 < lay.nodes < ctx.size:
+            _, leaders = node_comms(ctx, lay)
+            found = Nodes(shm.node_segment(ctx, lay), leaders, lay.node_of)
+        ctx.cache["validation-nodes"] = found
+    return found
+
+
+def _outgoing(data: np.ndarray) -> np.ndarray:
+    """``data`` copied into the outgoing message's scratch, after the header: that view."""
+    out = scratch(_U8_EMPTY, _H + FUSE_LIMIT, slot=2)
+    mine = out[_H : _H + data.nbytes].view(data.dtype)
+    np.copyto(mine, data)
+    return mine
+
+
+def _hierarchical(
+    split: Nodes,
+    status: MPI.Status,
+    mine_header: bytes,
+    flag: int,
+    ref: tuple[int, ...],
+    mine: np.ndarray | None,
+    red: Reduction | None,
+) -> tuple[int, np.ndarray | None]:
+    """The check across nodes, with ``mine`` (in the outgoing scratch) reduced along:
+    inside each node through its segment (every header compared; ``mine`` summed onto
+    the leader), the leaders' recursive doubling (:func:`_agree`), then the leader's
+    flag posted to its node, with the result in the segment's result slot where the
+    flag is clear. Every rank returns the same flag, and where it is clear and
+    ``mine`` was given, the result (the leader's ``mine``, the others' result slot)."""
+    seg = split.segment
+    if seg is not None:
+        seg.post(mine_header)
+        if mine is None:
+            seg.barrier()
+            flag |= _differ(seg.headers(), seg.size)
+        else:
+            assert red is not None
+            try:
+                shm.allreduce(mine, seg, red, _node_check, root_only=True)
+            except _NodeDisagrees:
+                flag = 1
+    if split.leaders != MPI.COMM_NULL:
+        flag = _agree(split.leaders, status, flag, ref, None if flag else mine, red)
+    if seg is None:
+        return flag, mine
+    leads = split.leaders != MPI.COMM_NULL
+    seg.post(_HEADER.pack(flag, *ref))
+    if leads and mine is not None and not flag:  # published with the verdict, in the same barrier
+        seg.views(mine.shape[0], mine.dtype).result[:] = mine
+        p2p.count_sent(mine.nbytes)
+    seg.barrier()
+    flag = int(seg.headers()[:8] != _CLEAR)  # the leader's (node rank 0) verdict
+    if mine is None or flag or leads:
+        return flag, mine
+    return flag, seg.views(mine.shape[0], mine.dtype).result  # the buffer the leader wrote (its turn too)
+
+
+class _NodeDisagrees(Exception):
+    """The headers in a node's segment differ (the check's node stage, inside the
+    shared-memory reduction: raised there to give the buffer back)."""
+
+
+def _node_check(seg: shm.Segment) -> None:
+    if _differ(seg.headers(), seg.size):
+        raise _NodeDisagrees
+
+
+def _differ(headers: bytes, size: int) -> int:
+    """1 if the ``size`` ranks' headers differ or flag a problem, else 0."""
+    return int(headers != headers[:_H] * size or headers[:8] != _CLEAR)
+
+
+def _agree(
+    comm: MPI.Comm,
+    status: MPI.Status,
+    flag: int,
+    ref: tuple[int, ...],
+    mine: np.ndarray | None,
+    red: Reduction | None,
+) -> int:
+    """The recursive-doubling check over ``comm`` (module docstring), from this rank's
+    ``flag`` and reference signature ``ref``; ``mine`` (data in the outgoing scratch,
+    after the header, or None) is reduced with ``red`` in the same messages. Returns
+    the flag every rank ends with; where it is clear, ``mine`` holds the result."""
+    rank, f = comm.Get_rank(), fold_of(comm.Get_rank(), comm.Get_size())
     out = scratch(_U8_EMPTY, _H + FUSE_LIMIT, slot=2)
     got = scratch(_U8_EMPTY, _H + FUSE_LIMIT, slot=3)
-    ref: tuple[int, ...] = (0,) * (len(FIELDS) - 1) if problem is not None else tuple(signature)
-    flag = int(problem is not None)
-    combine = None
-    if data is not None and nbytes:
+    nbytes = 0 if mine is None else mine.nbytes
+    combine = theirs = None
+    if mine is not None and nbytes:
         assert red is not None, "data to reduce needs its reduction"
         combine = red.combine
-        mine = out[_H : _H + nbytes].view(data.dtype)
-        theirs = got[_H : _H + nbytes].view(data.dtype)
-        np.copyto(mine, data)
-    comm, status, size = ctx.comm, _status(ctx), _H + nbytes
+        theirs = got[_H : _H + nbytes].view(mine.dtype)
+    size = _H + nbytes
 
     def merge(peer: int) -> None:
         nonlocal flag, ref
         pflag, *fields = _HEADER.unpack_from(got)
         pref = tuple(fields)
         flag |= pflag | (status.Get_count(_BYTE) != size) | (pref != ref)
-        if peer < ctx.rank:
+        if peer < rank:
             ref = pref
         if combine is not None and not flag:
-            combine(mine, theirs, src_first=peer < ctx.rank)
+            combine(mine, theirs, src_first=peer < rank)
 
     _HEADER.pack_into(out, 0, flag, *ref)
     blocked = p2p.watch(comm, f.peers + ((f.partner,) if f.partner is not None else ()))
@@ -187,11 +326,7 @@ def check(
                 _exchange(comm, out[:size], f.partner, None, status)
     finally:
         blocked.since = 0.0
-    if flag:
-        _raise(ctx, what, problem, signature, names(), fields)
-    if nbytes:
-        np.copyto(data, mine)
-    return bool(nbytes)
+    return flag
 
 
 _U8_EMPTY = np.empty(0, np.uint8)

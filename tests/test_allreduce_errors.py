@@ -216,3 +216,80 @@ def test_ranks_that_kept_different_calls_across_nodes(algorithm: str) -> None:
     must depend only on what every rank has built (plans, auto's choices)."""
     run = on_rank0_quietly(mpiexec, 2, ["-c", KEPT_CALLS_DIFFER, algorithm], hosts="a:1,b:1", timeout=60)
     assert run.returncode == 0 and "wrong results: 0" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+#: On nodes of several ranks: every way of disagreeing, on a leader, on another rank
+#: and on the bare check's path (a bad buffer), against calls that reduce small vectors
+#: in the check's messages (shm, auto) or after it (ring), with exact results between.
+ACROSS_NODES = """
+import numpy as np
+from mpi4py import MPI
+import collectives
+from collectives import ArgumentError, validation
+from collectives.transport.context import context
+comm = MPI.COMM_WORLD
+r, n = comm.Get_rank(), comm.Get_size()
+small, large = 1000, validation.FUSE_LIMIT // 4 + 3
+wrong = []
+
+def exact(collective, length, dtype="float32", op="sum"):
+    x = (np.full(length, 10.0**r) if dtype == "float32" else np.full(length, r + 1)).astype(dtype)
+    collectives.allreduce(x, op=op, collective=collective)
+    floats = {"sum": sum(10.0**i for i in range(n)), "max": 10.0 ** (n - 1)}
+    want = floats[op] if dtype == "float32" else n * (n + 1) // 2
+    same = len(set(comm.allgather(x.tobytes()))) == 1
+    if not (same and np.all(x == want)):
+        wrong.append(f"{collective} {length} {dtype} {op}")
+
+def refused(collective, x, *words):
+    before = np.array(x, copy=True)
+    try:
+        collectives.allreduce(x, collective=collective)
+        wrong.append(f"{collective}: no error for {words}")
+    except ArgumentError as e:
+        text = str(e)
+        if len(set(comm.allgather(text))) != 1 or not all(w in text for w in words):
+            wrong.append(f"{collective}: {text}")
+    if not np.array_equal(np.asarray(x), before):
+        wrong.append(f"{collective}: buffer changed by a refused call {words}")
+
+for collective in ("shm", "auto", "butterfly", "ring"):
+    for length in (0, 1, 3, small, large):
+        exact(collective, length)
+    exact(collective, small, "int64")
+    exact(collective, 5, op="max")
+split = validation.nodes(context(comm))
+if split is None:
+    wrong.append("the check did not go through the nodes")
+last, leader_b = n - 1, 2  # node b's leader; the last rank leads node b on a:2,b:1
+for collective in ("shm", "auto", "ring"):
+    for odd in (1, leader_b, last):
+        for good, bad in ((small, small + 1), (small, large), (large, small)):
+            refused(collective, np.ones(bad if r == odd else good, np.float32), "length differs", "no data moved")
+            exact(collective, small)
+    refused(collective, np.ones(small, np.float64 if r == 1 else np.float32), "dtype differs")
+    x = np.ones(small, np.float32)
+    if r == leader_b:
+        x.flags.writeable = False
+    refused(collective, x, "read-only", f"rank(s) [{leader_b}]")
+    x = np.ones(small, np.float32)
+    if r == 1:
+        x = np.ones(2 * small, np.float32)[::2]
+    refused(collective, x, "not C-contiguous", "rank(s) [1]")
+    exact(collective, small)
+if wrong:
+    print(f"rank {r}:", *wrong[:5], sep="\\n  ")
+total = comm.allreduce(len(wrong))
+if r == 0:
+    print("wrong results:", total)
+"""
+
+
+@pytest.mark.parametrize("hosts, n", [("a:2,b:2", 4), ("a:2,b:1", 3)])
+def test_the_check_across_nodes_of_several_ranks(hosts: str, n: int) -> None:
+    """Where nodes hold several ranks the check goes through each node's segment and
+    the leaders, and small shm all-reduces ride in it: exact results, and every
+    disagreement (on a leader or not, fused or not, a bad buffer on the bare path)
+    raises the same error on every rank with every buffer untouched, no hang."""
+    run = on_rank0_quietly(mpiexec, n, ["-c", ACROSS_NODES], hosts=hosts, timeout=240)
+    assert run.returncode == 0 and "wrong results: 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]

@@ -86,6 +86,9 @@ def test_shared_memory_form(p: int, monkeypatch: pytest.MonkeyPatch) -> None:
     leaders = 2 * (10 * A + N / 2 * 10 * B) + N / 2 * G
     assert costmodel.shm(prm, two_nodes, N) == pytest.approx(one_node_time + leaders + pieces * A / 3 + N * B / 2)
     assert costmodel.shm(prm, Layout((0, 1)), N) == pytest.approx(leaders)  # one rank per node: the ring alone
+    small = 4096  # up to LEADERS_DOUBLING the leaders exchange whole vectors, lg m times
+    doubling = 10 * A + small * 10 * B + small * G
+    assert costmodel.shm(prm, Layout((0, 1, 2, 3)), small) == pytest.approx(2 * doubling)
 
 
 def test_check_costs_nothing_where_it_rides_along() -> None:
@@ -94,13 +97,18 @@ def test_check_costs_nothing_where_it_rides_along() -> None:
     prm = Params(
         alpha_intra=A, beta_intra=B, alpha_inter=10 * A, beta_inter=10 * B, gamma=G, overhead=0.0, alpha_shm=A / 3
     )
-    node, nodes = one_node(4), Layout((0, 0, 1, 1, 2))
+    node, singles, nodes = one_node(4), Layout((0, 1, 2, 3, 4)), Layout((0, 0, 1, 1, 2))
     assert costmodel.check_cost("shm", N, node, prm) == 0.0
     assert costmodel.check_cost("ring", N, node, prm) == pytest.approx(A / 3)  # one shared-memory barrier
-    assert costmodel.check_cost("butterfly", FUSE_LIMIT, nodes, prm) == 0.0  # the data rides in the check
     header_exchange = 10 * A + 2 * 48 * 10 * B
-    assert costmodel.check_cost("butterfly", FUSE_LIMIT + 1, nodes, prm) == pytest.approx(3 * header_exchange)
-    assert costmodel.check_cost("shm", 64, nodes, prm) == pytest.approx(3 * header_exchange)
+    # one rank per node: a recursive doubling over all ranks, in which small butterflies ride
+    assert costmodel.check_cost("butterfly", FUSE_LIMIT, singles, prm) == 0.0
+    assert costmodel.check_cost("butterfly", FUSE_LIMIT + 1, singles, prm) == pytest.approx(3 * header_exchange)
+    assert costmodel.check_cost("shm", 64, singles, prm) == pytest.approx(3 * header_exchange)
+    # nodes of several ranks: the node stages (two barriers) around the leaders' doubling, with small shm
+    assert costmodel.check_cost("shm", FUSE_LIMIT, nodes, prm) == 0.0
+    assert costmodel.check_cost("shm", FUSE_LIMIT + 1, nodes, prm) == pytest.approx(2 * header_exchange + 2 * A / 3)
+    assert costmodel.check_cost("butterfly", 64, nodes, prm) == pytest.approx(2 * header_exchange + 2 * A / 3)
     ring = costmodel.predict("ring", N, node, prm)
     assert costmodel.predict("ring", N, node, prm, validate=True) == pytest.approx(ring + A / 3)
 

@@ -85,6 +85,7 @@ class Shm:
             raise ArgumentError(f"algorithm 'shm': the layout {lay} groups ranks that share no memory")
         self.seg = shm.node_segment(req.ctx, lay)
         self.leaders = hierarchy.node_comms(req.ctx, lay)[1] if lay.nodes > 1 else None
+        self.node_of = lay.node_of
 
     def __call__(self, x: Any, red: Reduction) -> None:
         if type(x) is not np.ndarray:

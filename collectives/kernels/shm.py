@@ -35,15 +35,20 @@ whose call failed before it reached the segment.
 
 Across nodes (:func:`hierarchical`): the node's sum is reduced this way onto
 the node leader only, the leaders run a ring all-reduce
-(:mod:`collectives.kernels.ring`), and each leader broadcasts through the segment
-(one barrier per piece).
+(:mod:`collectives.kernels.ring`), or up to :data:`LEADERS_DOUBLING` bytes
+recursive doubling (:mod:`collectives.kernels.butterfly`: lg m exchanges
+instead of 2(m-1)), and each leader broadcasts through the segment (one
+barrier per piece). With the argument check on, small vectors take the
+check's path instead, which does the same with the check riding along
+(:mod:`collectives.validation`).
 
 Cost on one node, s = ceil(n / SEGMENT) pieces, b = s barriers replicated or
 s + 1 sliced: b alpha_shm + n beta_shm, alpha_shm being one barrier with the
 per-piece work around it, beta_shm the per-byte cost of the copy-in, the
 reduction and (sliced) the copy-out. Across m nodes: reduce b alpha_shm +
 n beta_shm, plus 2(m-1) alpha_inter + 2n(m-1)/m beta_inter + n(m-1)/m gamma
-among the leaders, plus broadcast s alpha_shm + n beta_shm. No byte crosses
+among the leaders (recursive doubling: lg m (alpha_inter + n beta_inter +
+n gamma)), plus broadcast s alpha_shm + n beta_shm. No byte crosses
 MPI inside a node.
 
 Synchronisation: each rank owns a counter on its own cache line; a barrier
@@ -86,12 +91,15 @@ from ..transport import p2p
 from ..transport.chunks import chunk_bounds
 from ..transport.context import Context
 from ..transport.ops import Reduction
-from . import ring
+from . import butterfly, ring
 
 #: Bytes of the vector one buffer holds per rank (the size of a piece).
 SEGMENT = 1 << 20
 #: Vectors up to this many bytes are reduced replicated on nodes of more than two ranks.
 REPLICATE = 64 << 10
+#: Vectors up to this many bytes are reduced among node leaders by recursive
+#: doubling (lg m exchanges between m nodes), larger ones by the ring.
+LEADERS_DOUBLING = 64 << 10
 #: Bytes of a rank's argument header (validation's signature).
 HEADER = 48
 
@@ -352,13 +360,14 @@ def broadcast(x: Any, seg: Segment) -> None:
 
 def hierarchical(x: Any, seg: Segment | None, leaders: MPI.Comm, red: Reduction) -> None:
     """Reduce the host array ``x`` in place over several nodes: shared-memory
-    reduce onto each node's leader, ring all-reduce among the leaders
-    (``leaders``; COMM_NULL on other ranks), shared-memory broadcast.
+    reduce onto each node's leader, all-reduce among the leaders (``leaders``;
+    COMM_NULL on other ranks; recursive doubling up to :data:`LEADERS_DOUBLING`
+    bytes, else the ring), shared-memory broadcast.
     ``seg`` is None on a node of one rank."""
     if seg is not None:
         allreduce(x, seg, red, root_only=True)
     if leaders != MPI.COMM_NULL:
-        ring.allreduce(x, leaders, red)
+        (butterfly if x.nbytes <= LEADERS_DOUBLING else ring).allreduce(x, leaders, red)
     if seg is not None:
         broadcast(x, seg)
 

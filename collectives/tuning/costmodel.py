@@ -39,9 +39,11 @@ order at small sizes, so the prediction of an algorithm is its measured time
 on 8 bytes plus what the model adds from 8 bytes to n; at large sizes the
 offset vanishes against the bandwidth terms. The
 cross-rank argument check is not: where it rides along (the shared-memory
-algorithm on one node, the butterfly up to the fused limit across nodes) it
+algorithm on one node; up to the fused limit across nodes, the butterfly
+where each node has one rank, else the shared-memory algorithm) it
 costs nothing, elsewhere one shared-memory barrier (alpha_shm) on one node
-or ceil(lg p) header exchanges across nodes (:func:`check_cost`).
+or, across m nodes, ceil(lg m) header exchanges, and two shared-memory
+barriers where nodes hold several ranks (:func:`check_cost`).
 
 The model is a pure function of the parameters and the layout: nothing here
 communicates. The parameters are measured by
@@ -286,7 +288,11 @@ def shm(prm: Params, lay: Layout, n: float, grid: Grid | None = None) -> float:
     intra = barriers * prm.alpha_shm + n * prm.beta_shm if q > 1 else 0.0
     if lay.nodes == 1:
         return intra
-    leaders = _ring(prm, lay, [lay.members(k)[0] for k in range(lay.nodes)], n)
+    firsts = [lay.members(k)[0] for k in range(lay.nodes)]
+    if n <= _shm.LEADERS_DOUBLING:  # recursive doubling: the leaders' pairs cross between nodes
+        leaders = math.ceil(math.log2(lay.nodes)) * _step(prm, lay, [(firsts[0], firsts[1])], n, n)
+    else:
+        leaders = _ring(prm, lay, firsts, n)
     return leaders + (intra + pieces * prm.alpha_shm + n * prm.beta_shm if intra else 0.0)
 
 
@@ -304,10 +310,12 @@ MODELS: dict[str, Callable[..., float]] = {
 
 def check_rides(algorithm: str, nbytes: int, lay: Layout) -> bool:
     """Whether the argument check rides along with ``algorithm``'s data (costs nothing
-    extra): the shared-memory algorithm on one node, small butterflies across nodes."""
+    extra): the shared-memory algorithm on one node; across nodes small vectors of
+    the butterfly where every node has one rank, else of the shared-memory
+    algorithm (the check goes through the nodes, :mod:`collectives.validation`)."""
     if lay.nodes == 1:
         return algorithm == "shm"
-    return algorithm == "butterfly" and nbytes <= FUSE_LIMIT
+    return algorithm == ("butterfly" if lay.nodes == len(lay.node_of) else "shm") and nbytes <= FUSE_LIMIT
 
 
 def check_cost(algorithm: str, nbytes: int, lay: Layout, prm: Params) -> float:
@@ -316,7 +324,8 @@ def check_cost(algorithm: str, nbytes: int, lay: Layout, prm: Params) -> float:
         return 0.0
     if lay.nodes == 1:
         return prm.alpha_shm
-    return math.ceil(math.log2(len(lay.node_of))) * (prm.alpha_inter + 2 * _shm.HEADER * prm.beta_inter)
+    exchanges = math.ceil(math.log2(lay.nodes)) * (prm.alpha_inter + 2 * _shm.HEADER * prm.beta_inter)
+    return exchanges if lay.nodes == len(lay.node_of) else exchanges + 2 * prm.alpha_shm
 
 
 def predict(
