@@ -50,9 +50,8 @@ is the node stage's), reduced in the leaders' messages, and handed to the
 node in the segment's result slot, which the leader fills with a clear
 verdict before the second barrier: all in scratch space, copied to the
 caller's buffer once the verdict is clear. The two stages in the segment
-are interchangeable with
-the bare check's, as on one node, so ranks on the bare and on the fused path
-meet at the same barriers and raise alike.
+are interchangeable with the bare check's, as on one node, so ranks on the
+bare and on the fused path meet at the same barriers and raise alike.
 
 Checking is on by default; pass ``validate=False``, call
 :func:`set_default`, or set ``MPIDL_VALIDATE=0`` before start-up to skip it,
@@ -367,7 +366,7 @@ def verify(
 ) -> None:
     """Raise the same ArgumentError on every rank unless ``headers`` (every rank's
     :func:`header`, in rank order) are all alike and flag no problem."""
-    if headers != headers[:_H] * ctx.size or headers[:8] != _CLEAR:
+    if _differ(headers, ctx.size):
         _raise(ctx, what, problem, signature, names(), fields)
 
 
