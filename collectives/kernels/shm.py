@@ -98,7 +98,9 @@ SEGMENT = 1 << 20
 #: Vectors up to this many bytes are reduced replicated on nodes of more than two ranks.
 REPLICATE = 64 << 10
 #: Vectors up to this many bytes are reduced among node leaders by recursive
-#: doubling (lg m exchanges between m nodes), larger ones by the ring.
+#: doubling (lg m exchanges between m nodes), larger ones by the ring: the size up
+#: to which the argument check carries them the same way (validation's FUSE_LIMIT),
+#: so that the calibration times what a checked call runs.
 LEADERS_DOUBLING = 64 << 10
 #: Bytes of a rank's argument header (validation's signature).
 HEADER = 48
