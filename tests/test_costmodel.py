@@ -105,7 +105,9 @@ def test_check_costs_nothing_where_it_rides_along() -> None:
     assert costmodel.check_cost("butterfly", FUSE_LIMIT, singles, prm) == 0.0
     assert costmodel.check_cost("butterfly", FUSE_LIMIT + 1, singles, prm) == pytest.approx(3 * header_exchange)
     assert costmodel.check_cost("shm", 64, singles, prm) == pytest.approx(3 * header_exchange)
-    # nodes of several ranks: the node stages (two barriers) around the leaders' doubling, with small shm
+    # nodes of several ranks: the node stages (two barriers) around the leaders' doubling, with small shm,
+    # which the calibration times unchecked with the same doubling among the leaders
+    assert collectives.kernels.shm.LEADERS_DOUBLING == FUSE_LIMIT
     assert costmodel.check_cost("shm", FUSE_LIMIT, nodes, prm) == 0.0
     assert costmodel.check_cost("shm", FUSE_LIMIT + 1, nodes, prm) == pytest.approx(2 * header_exchange + 2 * A / 3)
     assert costmodel.check_cost("butterfly", 64, nodes, prm) == pytest.approx(2 * header_exchange + 2 * A / 3)
