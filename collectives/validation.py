@@ -227,7 +227,7 @@ def _hierarchical(
     flag posted to its node, with the result in the segment's result slot where the
     flag is clear. Every rank returns the same flag, and where it is clear and
     ``mine`` was given, the result (the leader's ``mine``, the others' result slot)."""
-    seg = split.segment
+    seg, leads = split.segment, split.leaders != MPI.COMM_NULL
     if seg is not None:
         seg.post(mine_header)
         if mine is None:
@@ -239,11 +239,10 @@ def _hierarchical(
                 shm.allreduce(mine, seg, red, _node_check, root_only=True)
             except _NodeDisagrees:
                 flag = 1
-    if split.leaders != MPI.COMM_NULL:
+    if leads:
         flag = _agree(split.leaders, status, flag, ref, None if flag else mine, red)
     if seg is None:
         return flag, mine
-    leads = split.leaders != MPI.COMM_NULL
     seg.post(_HEADER.pack(flag, *ref))
     if leads and mine is not None and not flag:  # published with the verdict, in the same barrier
         seg.views(mine.shape[0], mine.dtype).result[:] = mine

@@ -190,7 +190,7 @@ class Watch:
         self.last = seconds
         drifted = seconds > DRIFT * self.expected
         rival = self._turn()
-        if rival is not None and not self._promising(rival) and self._owed(rival) > 0:
+        if rival is not None and self._owed(rival) > 0:
             rival = min(self.rivals, key=self.rivals.__getitem__) if drifted else None  # after a drift, the fastest
         if rival is not None:
             self.suspect = drifted
@@ -237,7 +237,10 @@ class Watch:
     def _owed(self, rival: str) -> int:
         """Calls still to come before those since the last probe pay for probing ``rival``:
         its extra time over the choice's, at least what a rival within :data:`MARGIN`
-        could cost (so that a close rival is not probed at every window)."""
+        could cost (so that a close rival is not probed at every window); none for a
+        rival that would beat the choice (:meth:`_promising`), probed at once."""
+        if self._promising(rival):
+            return 0
         cost = WINDOW * max(self.rivals[rival] - self.last, (MARGIN - 1) * self.last)
         return math.ceil(cost / (self.last * PROBE_SHARE)) - (self.calls - self.paid)
 
@@ -247,7 +250,7 @@ class Watch:
         self.skip, self.gap = self.gap, min(2 * self.gap, LONGEST_GAP)
         rival = self._turn()
         if rival is not None:
-            self.skip = min(self.skip, max(0 if self._promising(rival) else self._owed(rival) - WINDOW, 0))
+            self.skip = min(self.skip, max(self._owed(rival) - WINDOW, 0))
 
     def _run(self, name: str) -> None:
         self.running = name
