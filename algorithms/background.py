@@ -18,8 +18,8 @@ from collectives.transport.context import context
 
 def spare_cores(comm: MPI.Comm, wanted: bool = True) -> bool:
     """Whether every rank of ``comm`` wants a service thread and has a core for it
-    besides its computation (collective): on each node, the cores a process may run on
-    are at least the node's ranks times (torch's intra-op threads + 1). Where they are
+    besides its computation (collective): on each machine, the cores its ranks may run
+    on are at least its ranks times (torch's intra-op threads + 1). Where they are
     not, the thread's work takes cores from the computation, so overlapping it with the
     computation hides nothing."""
     ctx = context(comm)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import os
+
 import numpy as np
 import pytest
 from allreduce_matrix import check
@@ -10,6 +13,7 @@ from mpitest import all_ok, gather_failures, mpiexec, on_rank0_quietly
 
 import collectives
 from collectives import ArgumentError
+from collectives.kernels import shm
 from collectives.topology.layout import Layout, layout
 from collectives.transport.context import context
 
@@ -91,6 +95,36 @@ def test_sub_communicators_are_built_once() -> None:
     after = context(comm).cache
     assert all(after[k] is v for k, v in cached.items())
     assert len([k for k in after if k not in cached]) <= 2  # the hierarchical plan and its node communicators
+
+
+_CORES = """
+from mpi4py import MPI
+from collectives.kernels import shm
+from collectives.topology.layout import cores_per_rank
+from collectives.transport.context import context
+ctx = context(MPI.COMM_WORLD)
+seg = shm.shared(ctx)
+rows = ctx.comm.gather((cores_per_rank(ctx), shm.spins(ctx), None if seg is None else seg._spins))
+if ctx.rank == 0:
+    print(rows)
+"""
+
+
+@pytest.mark.job
+def test_cores_per_rank_counts_the_cores_of_the_machine() -> None:
+    """Ranks bound to a core each have a core each (the union of their affinity masks,
+    not one rank's own); ranks bound to one core share it, and their barriers yield at
+    once instead of spinning on the core the peer needs; nodes that share a machine
+    (two hosts of MPICH's launcher here, network namespaces of the emulated cluster)
+    share its cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    cases = [(None, "user:0,0", [(0.5, 0, 0)] * 2), ("a:1,b:1", "user:0,0", [(0.5, 0, None)] * 2)]
+    if len(cores) > 1:
+        cases.append((None, f"user:{cores[0]},{cores[1]}", [(1.0, shm.SPINS, shm.SPINS)] * 2))
+    for hosts, binding, expected in cases:
+        proc = on_rank0_quietly(mpiexec, 2, ["-c", _CORES], hosts=hosts, options=["-bind-to", binding], timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert ast.literal_eval(proc.stdout.strip()) == expected, (hosts, binding, proc.stdout)
 
 
 @pytest.mark.job

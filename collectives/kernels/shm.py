@@ -56,8 +56,9 @@ publishes the rank's next count and waits until every peer's counter has
 reached it. ``MPI_Win_sync`` (the memory barrier of the MPI-3 unified model)
 orders the data writes before the counter and the reads after it. A buffer is
 written again only two pieces later, after a barrier every rank reaches only
-once it has finished reading it. A waiting rank spins briefly, then yields
-the core (oversubscribed nodes), or, where its thread's waits poll
+once it has finished reading it. A waiting rank spins briefly (not at all on
+a machine with fewer cores than ranks, where the peer it waits for may need the
+core it would spin on), then yields the core, or, where its thread's waits poll
 (:func:`~collectives.transport.p2p.poll_waits`), sleeps with back-off: a
 yielding rank keeps its core busy whenever no other rank is runnable, which
 on a node of mostly sleeping workers is most of the time. It is watched by
@@ -86,7 +87,7 @@ from mpi4py import MPI
 
 from ..errors import CollectiveError
 from ..topology.hierarchy import node_comms
-from ..topology.layout import Layout, detected
+from ..topology.layout import Layout, cores_per_rank, detected
 from ..transport import p2p
 from ..transport.chunks import chunk_bounds
 from ..transport.context import Context
@@ -106,7 +107,8 @@ LEADERS_DOUBLING = 64 << 10
 HEADER = 48
 
 _LINE = 64  # one cache line per counter: no false sharing while peers poll
-_SPINS = 200  # polls before a waiting rank starts yielding the core
+#: Polls before a waiting rank starts yielding the core (none on an oversubscribed node).
+SPINS = 200
 
 #: Seconds between checks, while a rank waits for a peer, that the peer's process exists.
 ALIVE_EVERY = 1.0
@@ -125,12 +127,14 @@ class Segment:
     peer still reads the last one); then two buffers, each q input slots and
     one result slot of ``capacity`` bytes.
 
-    Collective over ``comm`` (the node communicator) to create and to free.
-    Only one thread may use a segment at a time, as with any communicator.
+    ``spins``: how often a rank waiting in :meth:`barrier` polls before it yields
+    (:func:`spins`). Collective over ``comm`` (the node communicator) to create and
+    to free. Only one thread may use a segment at a time, as with any communicator.
     """
 
-    def __init__(self, comm: MPI.Comm, capacity: int | None = None) -> None:
+    def __init__(self, comm: MPI.Comm, capacity: int | None = None, spins: int = SPINS) -> None:
         self.comm = comm
+        self._spins = spins
         self.size = q = comm.Get_size()
         self.rank = me = comm.Get_rank()
         self.capacity = capacity = SEGMENT if capacity is None else capacity
@@ -184,7 +188,7 @@ class Segment:
         with back-off); every :data:`ALIVE_EVERY` seconds make sure the peer's process
         still exists."""
         counters = self._counters
-        for _ in range(_SPINS):
+        for _ in range(self._spins):
             if counters[i] >= count:
                 return
         blocked = p2p.watch(self.comm, (i * 8 // _LINE,))
@@ -396,8 +400,17 @@ def shared(ctx: Context) -> Segment | None:
     one node's memory, else None (collective on first use: it detects and allocates)."""
     found = ctx.cache.get("shm", False)
     if found is False:
-        found = ctx.cache["shm"] = Segment(ctx.comm) if ctx.size > 1 and detected(ctx).nodes == 1 else None
+        one_node = ctx.size > 1 and detected(ctx).nodes == 1
+        found = ctx.cache["shm"] = Segment(ctx.comm, spins=spins(ctx)) if one_node else None
     return found
+
+
+def spins(ctx: Context) -> int:
+    """How long a rank of ``ctx``'s communicator polls in a barrier before it yields:
+    :data:`SPINS` times, or not at all where its machine has fewer cores than ranks
+    (:func:`~collectives.topology.layout.cores_per_rank`), since there the peer it
+    waits for may need the very core it would spin on."""
+    return SPINS if cores_per_rank(ctx) >= 1 else 0
 
 
 def capable(ctx: Context, lay: Layout) -> bool:
@@ -416,5 +429,5 @@ def node_segment(ctx: Context, lay: Layout) -> Segment | None:
     found = ctx.cache.get(key, False)
     if found is False:
         node, _ = node_comms(ctx, lay)
-        found = ctx.cache[key] = Segment(node) if node.Get_size() > 1 else None
+        found = ctx.cache[key] = Segment(node, spins=spins(ctx)) if node.Get_size() > 1 else None
     return found

@@ -15,9 +15,12 @@ memory (:mod:`collectives.kernels.shm`).
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Union
 
 from mpi4py import MPI
@@ -92,20 +95,41 @@ def detected(ctx: Context) -> Layout:
     if found is None:
         comm = ctx.comm
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=ctx.rank)
-        leader = comm.allgather(node.allreduce(ctx.rank, op=MPI.MIN))
+        first = node.allreduce(ctx.rank, op=MPI.MIN)
         node.Free()
-        firsts = sorted(set(leader))
-        found = ctx.cache["layout"] = Layout(tuple(firsts.index(x) for x in leader))
+        rows = comm.allgather((first, _machine(), _affinity()))
+        firsts = sorted({leader for leader, _, _ in rows})
+        found = ctx.cache["layout"] = Layout(tuple(firsts.index(leader) for leader, _, _ in rows))
+        here = [cores for _, machine, cores in rows if machine == rows[ctx.rank][1]]
+        ctx.cache["cores per rank"] = bin(functools.reduce(operator.or_, here)).count("1") / len(here)
     return found
 
 
 def cores_per_rank(ctx: Context) -> float:
-    """The cores this process may run on, per rank of ``ctx``'s communicator on its
-    node by :func:`detected` (collective on that function's first use): below 1 the
-    node is oversubscribed, and a rank waits for a core as often as for a message."""
-    node_of = detected(ctx).node_of
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores / node_of.count(node_of[ctx.rank])
+    """The cores that the ranks of ``ctx``'s communicator on this rank's machine may run
+    on (the union of their affinity masks: ranks bound to a core each have one each),
+    per rank there (collective on :func:`detected`'s first use): below 1 the machine is
+    oversubscribed, and a rank waits for a core as often as for a message. A machine is
+    a running kernel, which may hold several nodes that cannot share memory (network
+    namespaces of an emulated cluster; containers), all of them running on its cores."""
+    detected(ctx)
+    return ctx.cache["cores per rank"]
+
+
+def _machine() -> str:
+    """This process's machine: the running kernel's boot id where Linux gives it, else
+    the processor name MPI gives."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return MPI.Get_processor_name()
+
+
+def _affinity() -> int:
+    """The cores this process may run on, as a bit mask (bit i: core i)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sum(1 << core for core in os.sched_getaffinity(0))
+    return (1 << (os.cpu_count() or 1)) - 1
 
 
 def _emulated(spec: int | str | Sequence[int], size: int) -> Layout:

@@ -15,7 +15,7 @@ interleaved, medians, the slowest rank's time), so the calibration spends
 time only on the sizes the program uses. Where the measurements leave
 candidates close, the first calls of the size band tune among them
 (:mod:`collectives.tuning.online`), where every rank has a core of its own:
-on an oversubscribed node a single call's time is as much the scheduler's as
+on an oversubscribed machine a single call's time is as much the scheduler's as
 the collective's, and the calibration's choice, timed over batches of calls,
 stands. Then the choice is watched (:mod:`collectives.tuning.watch`): where
 its calls take well over what was measured (the machine changed since, or
@@ -67,7 +67,7 @@ class Selector:
         with waiting(self.ctx.comm, "whether MPIDL_COSTMODEL is set and each rank has a core", "auto's set-up"):
             flags = self.ctx.comm.allgather((bool(os.environ.get("MPIDL_COSTMODEL")), cores_per_rank(self.ctx)))
         self.model = flags[0][0]
-        #: The fewest cores per rank on any node: below 1, a single call's time is the
+        #: The fewest cores per rank on any machine: below 1, a single call's time is the
         #: scheduler's as much as the collective's, and no online tuning runs.
         self.cores_per_rank = min(cores for _, cores in flags)
         self.tables: dict[str, tuple[dict[str, Any] | None, Table]] = {}
@@ -112,14 +112,15 @@ class Selector:
             choice.reason += (
                 f" (online tuning among {', '.join(tune)} decides on the first calls)"
                 if self.timeable
-                else f" (no online tuning among {', '.join(tune)}: {self.cores_per_rank:.2g} cores per rank on a node)"
+                else f" (no online tuning among {', '.join(tune)}: "
+                f"{self.cores_per_rank:.2g} cores per rank on a machine)"
             )
         return choice
 
     @property
     def timeable(self) -> bool:
         """Whether single calls can be timed for the online tuning: every rank has a core
-        of its own (on an oversubscribed node a call's time depends on which ranks the
+        of its own (on an oversubscribed machine a call's time depends on which ranks the
         scheduler runs, and the calibration's batches of calls measured it better)."""
         return self.cores_per_rank >= 1
 
