@@ -3,7 +3,7 @@
 
     mpiexec -n 2 python jobs/small_call_cost.py [--size 4KiB] [--calls 3000] [--repeat 7]
 
-On one node (ranks sharing memory), float32 sums of ``--size`` bytes, with
+On the ranks of one node (sharing memory; 2 or more), float32 sums of ``--size`` bytes, with
 the argument check on, timed per call (barrier-aligned batches of
 ``--calls``, median and least of ``--repeat`` batches, rank 0's clock),
 interleaved:
@@ -16,8 +16,8 @@ interleaved:
   (what the entry point's look-ups cost is ``api`` less this);
 * ``kernel``: the check's header posted, then :func:`collectives.kernels.shm.allreduce`;
 * ``floor``: the same work written out in one loop: post the header, copy
-  into the segment, one barrier, compare the headers, add the peer's slot
-  (two ranks: what the layers above add is ``kernel`` less this);
+  into the segment, one barrier, compare the headers, add the peers' slots
+  (what the layers above add is ``kernel`` less this);
 * ``barrier``: the segment's barrier alone.
 """
 
@@ -48,10 +48,11 @@ def main() -> None:
     collectives.allreduce(x, comm, "sum", "shm")
     ctx = context(comm)
     seg = shm.shared(ctx)
-    if seg is None or comm.Get_size() != 2:
-        raise SystemExit("small_call_cost.py: run it on 2 ranks of one node (the floor is written for two)")
+    if seg is None:
+        raise SystemExit("small_call_cost.py: run it on 2 or more ranks of one node")
     call = next(c for c in ctx.calls.values() if c.carrier is seg)
-    header, agreed, red, peer = call.header, call.agreed, call.red, 1 - comm.Get_rank()
+    header, agreed, red = call.header, call.agreed, call.red
+    peers = [r for r in range(seg.size) if r != seg.rank]
 
     def floor() -> None:
         seg.post(header)
@@ -60,7 +61,8 @@ def main() -> None:
         seg.barrier()
         if seg.headers() != agreed:
             raise RuntimeError("the headers disagree")
-        np.add(x, v.inputs[peer], out=x)
+        for peer in peers:
+            np.add(x, v.inputs[peer], out=x)
 
     def kernel() -> None:
         seg.post(header)
@@ -85,7 +87,7 @@ def main() -> None:
             if rep:
                 times[name].append((time.perf_counter() - start) / args.calls)
     if comm.Get_rank() == 0:
-        print(f"{x.nbytes} B float32 sum, 2 ranks, {args.calls} calls x {args.repeat}; us per call")
+        print(f"{x.nbytes} B float32 sum, {seg.size} ranks, {args.calls} calls x {args.repeat}; us per call")
         base = statistics.median(times["native"])
         for name, t in times.items():
             print(
