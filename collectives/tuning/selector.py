@@ -14,10 +14,11 @@ measured there and then (:mod:`collectives.tuning.sweep`: every candidate,
 interleaved, medians, the slowest rank's time), so the calibration spends
 time only on the sizes the program uses. Where the measurements leave
 candidates close, the first calls of the size band tune among them
-(:mod:`collectives.tuning.online`), where every rank has a core of its own:
-on an oversubscribed machine a single call's time is as much the scheduler's as
-the collective's, and the calibration's choice, timed over batches of calls,
-stands. Then the choice is watched (:mod:`collectives.tuning.watch`): where
+(:mod:`collectives.tuning.online`), on single calls where every rank has a
+core of its own: on an oversubscribed machine a single call's time is as much
+the scheduler's as the collective's, and there only the deterministic tuning
+runs, whose rehearsed calls are timed as back-to-back batches (elsewhere the
+calibration's choice stands). Then the choice is watched (:mod:`collectives.tuning.watch`): where
 its calls take well over what was measured (the machine changed since, or
 since another process saved the measurement), the measurements it came from
 are dropped and the next call of that size measures anew. What was measured
@@ -108,10 +109,11 @@ class Selector:
         if drifts is not None:
             choice.reason += f" ({drifts[1]})"
         tune = online.close(choice.predictions) if choice.source.endswith("calibration") else []
-        if len(tune) > 1 and settings.current().online:
+        mode = settings.current()
+        if len(tune) > 1 and mode.online:
             choice.reason += (
                 f" (online tuning among {', '.join(tune)} decides on the first calls)"
-                if self.timeable
+                if self.timeable or mode.deterministic
                 else f" (no online tuning among {', '.join(tune)}: "
                 f"{self.cores_per_rank:.2g} cores per rank on a machine)"
             )
@@ -119,19 +121,21 @@ class Selector:
 
     @property
     def timeable(self) -> bool:
-        """Whether single calls can be timed for the online tuning: every rank has a core
-        of its own (on an oversubscribed machine a call's time depends on which ranks the
-        scheduler runs, and the calibration's batches of calls measured it better)."""
+        """Whether single calls can be timed for the online tuning and the watch: every
+        rank has a core of its own (on an oversubscribed machine a call's time depends on
+        which ranks the scheduler runs; batches of calls measure it better, as the
+        calibration's and the deterministic tuning's rehearsal do)."""
         return self.cores_per_rank >= 1
 
     def session(self, choice: Choice, xp: Any = np, dtype_ok: bool = True) -> online.Session | None:
         """The online tuning of ``choice``'s size band, started here if the calibration
-        left close candidates and rank 0 has online tuning on (collective then);
-        None where there is nothing to tune."""
+        left close candidates and rank 0 has online tuning on, timing single calls where
+        every rank has a core (:attr:`timeable`) or rehearsed batches with rank 0's
+        deterministic tuning (collective then); None where there is nothing to tune."""
         if not choice.source.endswith("calibration"):
             return None
         names = online.close(choice.predictions)
-        if len(names) < 2 or not self.timeable:
+        if len(names) < 2:
             return None
         memory, table = self.table(xp)
         key = table.band(choice.nbytes, self.candidates(xp, dtype_ok))
@@ -139,7 +143,7 @@ class Selector:
         if session is None:
             with waiting(self.ctx.comm, "Bcast of the tuning settings", "auto's online tuning"):
                 mode = self.ctx.comm.bcast(settings.current(), root=0)
-            if not mode.online:
+            if not mode.online or not (self.timeable or mode.deterministic):
                 return None
             calls = online.rounds(choice.predictions[names[0]])
             session = online.Session(self.runs, names, calls, self.ctx.comm, mode.deterministic)
