@@ -107,7 +107,7 @@ LEADERS_DOUBLING = 64 << 10
 HEADER = 48
 
 _LINE = 64  # one cache line per counter: no false sharing while peers poll
-#: Polls before a waiting rank starts yielding the core (none on an oversubscribed node).
+#: Polls before a waiting rank starts yielding the core (none on an oversubscribed machine).
 SPINS = 200
 
 #: Seconds between checks, while a rank waits for a peer, that the peer's process exists.

@@ -22,10 +22,12 @@ on a copy of the first call's buffer (:meth:`Session.rehearse`) before that
 call runs the winner, so every real call of a band in a process runs one
 algorithm, and with the persisted result every later process too. Those calls
 run back to back, as a benchmark's do (and a training step's buckets), so
-they are timed as such: each candidate's calls in one batch, its time the
-batch's on the rank that took the least (the batch begins with the previous
-one's end, so only its first call sees the arrival skew), divided by its
-calls. Interleaved single calls would hide what one algorithm gains from
+they are timed as such: each candidate's calls in a batch, a batch's time
+the one on the rank that took the least (the batch begins with the previous
+one's end, so only its first call sees the arrival skew); :data:`REHEARSALS`
+batches per candidate, the candidates taking turns in an order that rotates,
+and per candidate the median batch over its calls (one batch alone let a
+slow moment of an oversubscribed machine decide). Interleaved single calls would hide what one algorithm gains from
 its own previous call (shm's double buffer lets a rank begin the next call
 while the last is still being read; docs/performance.rst, "auto in fresh
 processes", has a case on 8 ranks where that reversed the choice).
@@ -57,6 +59,8 @@ TUNE_TIME = 1e-3
 #: mostly the jitter of the machine, and the calibration's batches of calls
 #: measured it better.
 SHORTEST = 100e-6
+#: Batches of each candidate's calls when the session is rehearsed (deterministic).
+REHEARSALS = 3
 
 
 def close(predictions: Mapping[str, float]) -> list[str]:
@@ -83,9 +87,12 @@ class Session:
     def __init__(
         self, runs: Mapping[str, Run], names: list[str], calls: int, comm: MPI.Comm, deterministic: bool = False
     ) -> None:
-        self.runs, self.comm, self.deterministic = runs, comm, deterministic
-        # rehearsed: each candidate's calls in one batch; on real calls, in turn
-        self.order = [name for name in names for _ in range(calls)] if deterministic else names * calls
+        self.runs, self.comm, self.deterministic, self.calls = runs, comm, deterministic, calls
+        if deterministic:  # batches of each candidate's calls, the candidates in a rotating order
+            turns = [names[r % len(names) :] + names[: r % len(names)] for r in range(REHEARSALS)]
+            self.order = [name for turn in turns for name in turn for _ in range(calls)]
+        else:  # single calls, in turn
+            self.order = names * calls
         self.times: list[float] = []
         #: Each candidate's agreed seconds, once every call has run.
         self.result: dict[str, float] | None = None
@@ -111,19 +118,14 @@ class Session:
 
     def _agree(self) -> None:
         """Per call (per batch when rehearsed) the least of the ranks' times; per
-        candidate the median of its calls (its batch's time over its calls)."""
-        names = list(dict.fromkeys(self.order))
-        times = np.array(self.times)
-        if self.deterministic:  # the order holds each candidate's calls in a row
-            times = times.reshape(len(names), -1).sum(axis=1)
+        candidate the median of its calls (of its batches' times over their calls)."""
+        times, order, calls = np.array(self.times), self.order, 1
+        if self.deterministic:  # the order holds each batch's calls in a row
+            times, order, calls = times.reshape(-1, self.calls).sum(axis=1), order[:: self.calls], self.calls
         with waiting(self.comm, "Allreduce of the online tuning's timings", "auto's online tuning"):
             self.comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MIN)
-        if self.deterministic:
-            calls = len(self.order) // len(names)
-            self.result = {name: t / calls for name, t in zip(names, times.tolist())}
-        else:
-            per: dict[str, list[float]] = {}
-            for name, t in zip(self.order, times.tolist()):
-                per.setdefault(name, []).append(t)
-            self.result = {name: statistics.median(ts) for name, ts in per.items()}
+        per: dict[str, list[float]] = {}
+        for name, t in zip(order, times.tolist()):
+            per.setdefault(name, []).append(t / calls)
+        self.result = {name: statistics.median(ts) for name, ts in per.items()}
         self.done(self.result)

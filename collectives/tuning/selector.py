@@ -15,14 +15,15 @@ interleaved, medians, the slowest rank's time), so the calibration spends
 time only on the sizes the program uses. Where the measurements leave
 candidates close, the first calls of the size band tune among them
 (:mod:`collectives.tuning.online`), on single calls where every rank has a
-core of its own: on an oversubscribed machine a single call's time is as much
-the scheduler's as the collective's, and there only the deterministic tuning
-runs, whose rehearsed calls are timed as back-to-back batches (elsewhere the
-calibration's choice stands). Then the choice is watched (:mod:`collectives.tuning.watch`): where
-its calls take well over what was measured (the machine changed since, or
-since another process saved the measurement), the measurements it came from
-are dropped and the next call of that size measures anew. What was measured
-or tuned is saved when the communicator is freed or the program ends.
+core of its own: on an oversubscribed machine a single call's time is as
+much the scheduler's as the collective's, and there only the deterministic
+tuning runs, whose rehearsed calls are timed as back-to-back batches
+(otherwise the calibration's choice stands). Then the choice is watched
+(:mod:`collectives.tuning.watch`): where its calls take well over what was
+measured (the machine changed since, or since another process saved the
+measurement), the measurements it came from are dropped and the next call
+of that size measures anew. What was measured or tuned is saved when the
+communicator is freed or the program ends.
 
 With ``MPIDL_COSTMODEL`` set on rank 0, the alpha-beta model decides instead
 (:func:`collectives.tuning.costmodel.choose`, parameters from that file):
@@ -69,7 +70,7 @@ class Selector:
             flags = self.ctx.comm.allgather((bool(os.environ.get("MPIDL_COSTMODEL")), cores_per_rank(self.ctx)))
         self.model = flags[0][0]
         #: The fewest cores per rank on any machine: below 1, a single call's time is the
-        #: scheduler's as much as the collective's, and no online tuning runs.
+        #: scheduler's as much as the collective's, and no single call is timed.
         self.cores_per_rank = min(cores for _, cores in flags)
         self.tables: dict[str, tuple[dict[str, Any] | None, Table]] = {}
         self.changed: set[str] = set()

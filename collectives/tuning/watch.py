@@ -51,8 +51,9 @@ and the windows' all-reduces.
 With deterministic tuning (:mod:`collectives.tuning.settings`) every real call
 of a size must run one algorithm: there are no rivals, the one window is
 rehearsed on a copy of the first call's buffer before that call runs
-(:meth:`Watch.rehearse`, one batch, as online tuning rehearses; a batch
-that drifted is rehearsed once more, and the faster of the two judged), and
+(:meth:`Watch.rehearse`, one batch, timed as online tuning times its
+rehearsed batches; a batch that drifted is rehearsed once more, and the
+faster of the two judged), and
 no later window follows.
 
 Cost: two clock readings per watched call, one ``MPI_Allreduce`` of
