@@ -27,10 +27,13 @@ the one on the rank that took the least (the batch begins with the previous
 one's end, so only its first call sees the arrival skew); :data:`REHEARSALS`
 batches per candidate, the candidates taking turns in an order that rotates,
 and per candidate the median batch over its calls (one batch alone let a
-slow moment of an oversubscribed machine decide). Interleaved single calls would hide what one algorithm gains from
-its own previous call (shm's double buffer lets a rank begin the next call
-while the last is still being read; docs/performance.rst, "auto in fresh
-processes", has a case on 8 ranks where that reversed the choice).
+slow moment of an oversubscribed machine decide). Interleaved single calls
+would hide what one algorithm gains from its own previous call (shm's double
+buffer lets a rank begin the next call while the last is still being read;
+docs/performance.rst, "auto in fresh processes", has a case on 8 ranks where
+that reversed the choice). A rehearsal's calls come on top of the program's:
+:data:`REHEARSALS` x candidates x :func:`rounds` calls, once per size band and
+process, none where the cache holds the result.
 """
 
 from __future__ import annotations
