@@ -169,6 +169,66 @@ def test_persistent_allreduce_reduces_its_buffer_on_every_call(algorithm: str, l
     assert all_ok(comm, len(set(gathered)) == 1 and np.allclose(y, n / 2))
 
 
+@pytest.mark.parametrize("algorithm", ["auto", "shm", "ring"])
+def test_a_repeated_call_sees_what_changed_in_its_array(algorithm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entry point knows a call that repeats the last one's objects (the same array,
+    communicator and arguments) without resolving it again; whatever can change in the
+    same array object between two calls still counts: its shape, its dtype, its
+    writeable flag, the default of ``validate``. The array is not kept alive, and a
+    freed communicator's call is not reused."""
+    import gc
+    import weakref
+
+    from collectives import ArgumentError, validation
+
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    x = np.full(6, r + 1.0)
+    for _ in range(2):
+        collectives.allreduce(x, comm, "sum", algorithm)
+    assert all_ok(comm, bool(np.all(x == (n * (n + 1) // 2) * n)))
+    x[:] = r + 1
+    x.shape = (2, 3)  # in place: the same object, now 2-D
+    collectives.allreduce(x, comm, "sum", algorithm)
+    assert all_ok(comm, x.shape == (2, 3) and bool(np.all(x == n * (n + 1) // 2)))
+
+    y = np.ones(4, np.float32)
+    collectives.allreduce(y, comm, "avg", algorithm)
+    y.dtype = np.int32  # in place: the same bytes, now integers, which have no average
+    with pytest.raises(ArgumentError, match="'avg' on integer dtype int32"):
+        collectives.allreduce(y, comm, "avg", algorithm)
+    y[:] = r + 1
+    collectives.allreduce(y, comm, "sum", algorithm)
+    y.flags.writeable = False
+    with pytest.raises(ArgumentError, match="read-only"):
+        collectives.allreduce(y, comm, "sum", algorithm)
+    assert all_ok(comm, bool(np.all(y == n * (n + 1) // 2)))
+
+    z = np.ones(3)
+    collectives.allreduce(z, comm, "sum", "ring")
+    monkeypatch.setattr(validation, "_default", True)  # put back after the test
+    validation.set_default(False)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the check ran after set_default(False)")
+
+    monkeypatch.setattr(validation, "check", boom)
+    collectives.allreduce(z, comm, "sum", "ring")
+    assert all_ok(comm, bool(np.all(z == n * n)))
+
+    gone = weakref.ref(z)
+    del z
+    gc.collect()
+    assert gone() is None
+
+    dup = comm.Dup()
+    w = np.ones(3)
+    collectives.allreduce(w, dup, "sum", algorithm)
+    dup.Free()
+    with pytest.raises(MPI.Exception):
+        collectives.allreduce(w, dup, "sum", algorithm)
+
+
 def test_scratch_reused_across_calls() -> None:
     """The hot loop keeps one receive buffer per dtype, reused by later calls."""
     from collectives.transport.scratch import scratch

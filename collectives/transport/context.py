@@ -53,6 +53,7 @@ class Context:
         self.calls: dict[Any, Any] = {}
         self.aliases: list[int] = []
         self.abandoned = False
+        self.freed = False
 
     def free(self) -> None:
         """Free every cached object (newest first), then the private communicator
@@ -68,6 +69,7 @@ class Context:
         self.calls.clear()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
+        self.freed = True
 
 
 def _delete(comm: MPI.Comm, keyval: int, ctx: Context) -> None:
