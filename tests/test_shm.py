@@ -47,6 +47,20 @@ def test_pieces_and_their_boundaries(size: int, replicate: int, monkeypatch: pyt
     assert all_ok(MPI.COMM_WORLD, not failures), "\n".join(failures[:20])
 
 
+@pytest.mark.parametrize("replicate", [shm.REPLICATE, 0])
+def test_equal_dtypes_of_other_buffer_formats(replicate: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int64 is numpy's "l" and "q" on Linux: equal dtypes whose buffers differ in
+    format. The segment's views of one must not be reused for the other, in either
+    buffer of the double buffer, replicated or sliced."""
+    monkeypatch.setattr(shm, "REPLICATE", replicate)
+    comm = MPI.COMM_WORLD
+    n, r = comm.Get_size(), comm.Get_rank()
+    vectors = [np.full(5, r + 1, dtype=np.dtype(char)) for char in "lqqqll"]
+    for v in vectors:
+        collectives.allreduce(v, comm, "sum", "shm")
+    assert all_ok(comm, all(bool(np.all(v == n * (n + 1) // 2)) for v in vectors))
+
+
 @pytest.mark.job
 @pytest.mark.parametrize("layout", [None, "2", "4,2"])
 def test_pieces_on_six_ranks(layout: str | None) -> None:

@@ -161,7 +161,7 @@ class Segment:
         self._pids = {i: pid for i in self._peers if _alive(pid := self._counters[i + 1])}
         self._lost: CollectiveError | None = None  # set once a peer has ended
         self._turn = 0
-        self._views: dict[tuple[int, int, np.dtype], _Views] = {}
+        self._views: dict[tuple[int, int, str], _Views] = {}
 
     def barrier(self) -> None:
         """Wait until every rank of the node has reached this barrier; what a rank
@@ -227,7 +227,7 @@ class Segment:
     def views(self, count: int, dtype: np.dtype) -> _Views:
         """The current buffer's slots as ``count`` elements of ``dtype``, and flip to
         the other buffer for the next piece."""
-        key = (self._turn, count, dtype)
+        key = (self._turn, count, dtype.char)  # the char, not the dtype: int64 is "l" or "q", whose buffers differ
         self._turn ^= 1
         found = self._views.get(key)
         if found is None:
@@ -263,7 +263,7 @@ class Segment:
 
 
 class _Views:
-    """One buffer's slots seen as arrays: this rank's input slot, every rank's
+    """One buffer's slots seen as arrays: this rank's input slot (as a memoryview), every rank's
     input slot, this rank's slice of every input slot, its slice of the result
     slot, and the whole result slot."""
 
@@ -278,7 +278,7 @@ class _Views:
         ]
         bounds = chunk_bounds(count, seg.size)
         lo, hi = bounds[seg.rank], bounds[seg.rank + 1]
-        self.mine = slots[seg.rank]
+        self.mine: Any = memoryview(slots[seg.rank])  # copied into per call: cheaper than numpy's slice assignment
         self.inputs = tuple(slots[:-1])
         self.slices = tuple(s[lo:hi] for s in self.inputs)
         self.out = slots[-1][lo:hi]
@@ -312,7 +312,7 @@ def _replicated(part: np.ndarray, seg: Segment, red: Reduction, check: Check | N
     """One piece, replicated: copy in, barrier, every receiving rank folds all input slots
     into ``part``; on two ranks, ``part`` itself (still in cache) stands for the own slot."""
     v = seg.views(part.shape[0], part.dtype)
-    v.mine[:] = part  # slice assignment: cheaper per call than np.copyto
+    v.mine[:] = part
     seg.barrier()
     if check is not None:
         seg.verify(check)
