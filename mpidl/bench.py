@@ -43,7 +43,6 @@ import argparse
 import csv
 import ctypes
 import dataclasses
-import functools
 import importlib
 import json
 import os
@@ -166,7 +165,7 @@ def candidates(
     out["native"] = lambda x: comm.Allreduce(x, other(x))
     out["native_inplace"] = lambda x: comm.Allreduce(MPI.IN_PLACE, x)
     for name in names:
-        out[name] = functools.partial(collectives.allreduce, comm=comm, op="sum", collective=name, validate=validate)
+        out[name] = _entry(comm, name, validate)
     if device != "cuda":
         return out
     import cupy
@@ -186,6 +185,13 @@ def candidates(
         out["native_staged"] = staged
     sync = cupy.cuda.get_current_stream().synchronize
     return {name: _synchronized(fn, sync) for name, fn in out.items()}
+
+
+def _entry(comm: Any, name: str, validate: bool) -> Callable[[Any], object]:
+    """``collectives.allreduce`` of collective ``name``, called as a program calls it
+    (positional arguments; a partial with keywords would add its own cost per call)."""
+    allreduce = collectives.allreduce
+    return lambda x: allreduce(x, comm, "sum", name, validate=validate)
 
 
 def _synchronized(fn: Callable[[Any], object], sync: Callable[[], None]) -> Callable[[Any], None]:
