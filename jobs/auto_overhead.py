@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What online tuning costs: a 100-call run of ``auto`` with and without it.
 
-    mpiexec -n 2 python jobs/auto_overhead.py --sizes 3M,24M --calls 100 --repeat 5 [--all-close]
+    mpiexec -n 2 python jobs/auto_overhead.py --sizes 3M,24M --calls 100 --repeat 5 [--all-close] [--deterministic]
 
 For each size and repetition, on new communicators (auto's cache off, so
 every one starts untuned): the candidates are measured first (``explain``,
@@ -13,7 +13,11 @@ gained or lost against the calibration's choice) and "tuned/settled" (what
 the tuning calls cost against running their winner from the start: the
 extra cost the issue bounds at 5 %). ``--all-close`` makes online tuning
 tune the three fastest candidates wherever the calibration found them,
-however far apart (the worst case for its cost).
+however far apart (the worst case for its cost). ``--deterministic`` tunes
+as ``mpidl train`` and ``mpidl bench`` do: the candidates' batches (and the
+watch's window) rehearsed on a copy before the first call, which then runs
+the winner, so "tuned/settled" is what the rehearsal's extra calls cost a
+run of ``--calls``.
 """
 
 from __future__ import annotations
@@ -59,13 +63,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--all-close", action="store_true", help="tune the three fastest candidates everywhere")
+    parser.add_argument("--deterministic", action="store_true", help="rehearse the tuning before the first call")
     args = parser.parse_args()
     world = mpidl.init()
     if args.all_close:
         online.CLOSE, online.SHORTEST = float("inf"), 0.0
-    collectives.set_tuning(cache=False, deterministic=False)
+    collectives.set_tuning(cache=False, deterministic=args.deterministic)
     if world.rank == 0:
-        print(f"# {world.size} ranks, {args.calls} calls per run, medians of {args.repeat}, CLOSE={online.CLOSE}")
+        how = "tuning rehearsed" if args.deterministic else "tuning on real calls"
+        print(f"# {world.size} ranks, {args.calls} calls a run, medians of {args.repeat}, CLOSE {online.CLOSE}, {how}")
         head = f"{'tuned s':>9} {'untuned s':>9} {'settled s':>9}  {'tuned/untuned':>13} {'tuned/settled':>13}"
         print(f"{'size':>9}  {head}  ran")
     for nbytes in map(parse_size, args.sizes.split(",")):
