@@ -110,6 +110,20 @@ def test_a_rehearsal_drifts_only_if_a_second_batch_does() -> None:
         assert (w.drifted, calls[0]) == (drifted, 1 + 2 * WINDOW)
 
 
+def test_a_rehearsed_drift_is_confirmed_by_the_fastest_rival() -> None:
+    """A rehearsed choice slow in both batches has drifted only where a batch of the
+    fastest rival beats it by MARGIN; a rival as slow leaves the choice kept (the
+    machine is slower for all, and a new measurement would only add its noise)."""
+    x = np.zeros(4, np.float32)
+    for rival_sleep, drifted in ((1e-3, False), (0.0, True)):
+        w = Watch("ring", 1e-4, MPI.COMM_SELF)
+        drifts: list[float] = []
+        w.on_drift = drifts.append
+        w.rehearse(lambda y, red: time.sleep(1e-3), x, None, ("shm", lambda y, red, s=rival_sleep: time.sleep(s)))
+        assert (w.drifted, bool(drifts)) == (drifted, drifted)
+        assert ("ring kept" in w.story and "shm no faster" in w.story) == (not drifted)
+
+
 # --- on a communicator ---------------------------------------------------------
 
 

@@ -160,8 +160,9 @@ class Selector:
         :data:`~collectives.tuning.watch.RETRIES` times, with rank 0's ``watch`` switch on
         (collective then). Its windows time the real calls, and probe :meth:`rivals` on them,
         where every rank has a core (:attr:`timeable`); with rank 0's deterministic tuning
-        its one window is rehearsed here instead, on a copy of ``x``, as one batch, and a
-        drifted choice measured and made anew: (that choice, None)."""
+        its one window is rehearsed here instead, on a copy of ``x``, as one batch (a drift
+        confirmed by a batch of the fastest rival), and a drifted choice measured and made
+        anew: (that choice, None)."""
         expected = choice.predictions.get(choice.algorithm, 0.0)
         drifts, _ = self.drifts.get((_memory(xp), band(choice.nbytes)), (0, ""))
         if not choice.source.endswith(("calibration", "tuning")) or expected < SHORTEST or drifts >= RETRIES:
@@ -176,7 +177,11 @@ class Selector:
             return choice, Watch(choice.algorithm, expected, self.ctx.comm, self.rivals(choice, xp, validate, dtype_ok))
         watch = Watch(choice.algorithm, expected, self.ctx.comm)
         watch.on_drift = lambda seconds: self.forget(choice.nbytes, xp, choice.algorithm, expected, seconds)
-        watch.rehearse(self.runs[choice.algorithm], x, red)
+        rivals = self.rivals(choice, xp, validate, dtype_ok)
+        fastest = min(rivals, key=rivals.__getitem__, default=None)
+        watch.rehearse(self.runs[choice.algorithm], x, red, None if fastest is None else (fastest, self.runs[fastest]))
+        if watch.story:
+            log.info("auto on %d ranks, %d B: %s", self.ctx.size, choice.nbytes, watch.story)
         if watch.drifted:
             choice = self.choose(choice.nbytes, xp, validate, dtype_ok)
         return choice, None

@@ -54,7 +54,11 @@ rehearsed on a copy of the first call's buffer before that call runs
 (:meth:`Watch.rehearse`, one batch, timed as online tuning times its
 rehearsed batches; a batch that drifted is rehearsed once more, and the
 faster of the two judged), and
-no later window follows.
+no later window follows. A drift there is confirmed by a batch of the
+fastest rival: unless the rival beats the choice by :data:`MARGIN`, every
+candidate is slower alike and the choice is kept, so that fresh processes
+keep running the persisted choice rather than one that a new measurement's
+noise ranked first.
 
 Cost: two clock readings per watched call, one ``MPI_Allreduce`` of
 :data:`WINDOW` doubles per window; a probe at most :data:`PROBE_SHARE` of
@@ -161,16 +165,30 @@ class Watch:
             else:
                 self._compare(median)
 
-    def rehearse(self, run: Run, x: Any, red: Reduction) -> None:
+    def rehearse(self, run: Run, x: Any, red: Reduction, rival: tuple[str, Run] | None = None) -> None:
         """Time :data:`WINDOW` calls of ``run`` on a copy of ``x`` as one batch, after one
         untimed call (its scratch and pages), and judge them; a batch that drifted is
         timed once more and the faster judged (a busy moment of the node slows one batch
-        as often as a changed machine does; collective)."""
+        as often as a changed machine does). If that drifted too, ``rival`` (name, run:
+        the fastest other candidate) is timed the same way: only where it beats the choice
+        by :data:`MARGIN` has the choice drifted; else every candidate is slower alike, the
+        ranking stands, and the choice is kept (collective)."""
         copy = x.copy()
         run(copy, red)
         seconds = self._batch(run, copy, red)
         if seconds > DRIFT * self.expected:
             seconds = min(seconds, self._batch(run, copy, red))
+        if seconds > DRIFT * self.expected and rival is not None:
+            name, other = rival
+            other(copy, red)
+            theirs = self._batch(other, copy, red)
+            if theirs * MARGIN >= seconds:
+                self.last = seconds
+                self.story = (
+                    f"{self.chosen} kept: {seconds * 1e6:.1f} us a call where {self.expected * 1e6:.1f} us were "
+                    f"expected, and {name} no faster ({theirs * 1e6:.1f} us)"
+                )
+                return
         self._judge(seconds)
 
     def _batch(self, run: Run, x: Any, red: Reduction) -> float:
