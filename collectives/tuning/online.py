@@ -18,7 +18,7 @@ plus one small all-reduce. But while it runs, successive calls of a band
 combine in different orders, so a float result may differ in its last bits
 from a run that tuned elsewhere or not at all. With ``deterministic``
 (:mod:`collectives.tuning.settings`) the session runs all its calls at once
-on a copy of the first call's buffer (:meth:`Session.rehearse`) before that
+on a zeroed copy of the first call's buffer (:meth:`Session.rehearse`) before that
 call runs the winner, so every real call of a band in a process runs one
 algorithm, and with the persisted result every later process too. Those calls
 run back to back, as a benchmark's do (and a training step's buckets), so
@@ -114,8 +114,11 @@ class Session:
             self._agree()
 
     def rehearse(self, x: Any, red: Reduction) -> None:
-        """Run every call of the session on a copy of ``x`` now (collective)."""
+        """Run every call of the session on a zeroed copy of ``x`` now (zeros: the many sums
+        of one buffer never overflow into warnings, and cost what any finite values do;
+        collective)."""
         copy = x.copy()
+        copy.fill(0)
         while self.result is None:
             self(copy, red)
 

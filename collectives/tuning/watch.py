@@ -50,7 +50,7 @@ and the windows' all-reduces.
 
 With deterministic tuning (:mod:`collectives.tuning.settings`) every real call
 of a size must run one algorithm: there are no rivals, the one window is
-rehearsed on a copy of the first call's buffer before that call runs
+rehearsed on a zeroed copy of the first call's buffer before that call runs
 (:meth:`Watch.rehearse`, one batch, timed as online tuning times its
 rehearsed batches; a batch that drifted is rehearsed once more, and the
 faster of the two judged), and
@@ -166,7 +166,7 @@ class Watch:
                 self._compare(median)
 
     def rehearse(self, run: Run, x: Any, red: Reduction, rival: tuple[str, Run] | None = None) -> None:
-        """Time :data:`WINDOW` calls of ``run`` on a copy of ``x`` as one batch, after one
+        """Time :data:`WINDOW` calls of ``run`` on a zeroed copy of ``x`` as one batch, after one
         untimed call (its scratch and pages), and judge them; a batch that drifted is
         timed once more and the faster judged (a busy moment of the node slows one batch
         as often as a changed machine does). If that drifted too, ``rival`` (name, run:
@@ -174,6 +174,7 @@ class Watch:
         by :data:`MARGIN` has the choice drifted; else every candidate is slower alike, the
         ranking stands, and the choice is kept (collective)."""
         copy = x.copy()
+        copy.fill(0)  # as online tuning's rehearsal: no overflow however many sums
         run(copy, red)
         seconds = self._batch(run, copy, red)
         if seconds > DRIFT * self.expected:
