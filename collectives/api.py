@@ -94,11 +94,13 @@ class _Auto:
             if session is not None and not session.deterministic:
                 self.tuning[key] = session
                 return None, session, None
-            if session is not None:
+            watch = None
+            if session is not None:  # no watch: its rehearsed window would time again what was just timed
                 session.rehearse(x, red)
                 choice = self.selector.choose(x.nbytes, xp, validate, dtype_ok)
                 log.debug("%s", choice.reason)
-            choice, watch = self.selector.watch(choice, xp, validate, dtype_ok, x, red)
+            else:
+                choice, watch = self.selector.watch(choice, xp, validate, dtype_ok, x, red)
             if watch is not None:
                 watch.on_drift = functools.partial(self.drifted, key, watch)
             chosen = self.chosen[key] = choice.algorithm, watch

@@ -369,10 +369,14 @@ def test_deterministic_tuning_leaves_the_callers_buffer_to_one_algorithm(
     fresh: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With ``deterministic``, the first call tunes on a copy and then runs the winner:
-    its result has the winner's bits (summation order) and the choice is made."""
+    its result has the winner's bits (summation order) and the choice is made. No
+    watch window is rehearsed after the tuning's: it would time what was just timed."""
     if fresh.size == 1:
         pytest.skip("one rank has nothing to tune")
     tune_everything(monkeypatch)
+    monkeypatch.setattr(selector, "SHORTEST", 0.0)  # every choice watched, but for the tuned
+    windows: list[str] = []
+    monkeypatch.setattr(watch.Watch, "rehearse", lambda self, *args: windows.append(self.chosen))
     collectives.set_tuning(deterministic=True)
     rng = np.random.default_rng(fresh.rank)
     values = (rng.standard_normal(9 * KIB // 4) * 10.0 ** rng.integers(-6, 7, 9 * KIB // 4)).astype(np.float32)
@@ -382,6 +386,7 @@ def test_deterministic_tuning_leaves_the_callers_buffer_to_one_algorithm(
     y = values.copy()
     collectives.allreduce(y, fresh, collective=choice.algorithm)
     assert all_ok(fresh, choice.source == "online tuning" and x.tobytes() == y.tobytes()), choice
+    assert windows == []
 
 
 def test_native_only_where_it_reduces_as_the_others(fresh: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch) -> None:
