@@ -4,8 +4,9 @@ For every size and every candidate — native ``MPI_Allreduce`` out of place and
 with ``MPI_IN_PLACE``, and each of mpidl's algorithms — the sweep times
 batches of calls after a warm-up. A batch starts at a barrier and its time is
 the slowest rank's; candidates take turns within each repetition (so slow
-drift of a noisy machine hits all of them alike) and each reports the median
-over repetitions. "vs native" is native's time (the faster native variant)
+drift of a noisy machine hits all of them alike), in an order that rotates
+from one repetition to the next (so no candidate always follows the same
+one), and each reports the median over repetitions. "vs native" is native's time (the faster native variant)
 divided by the candidate's: above 1 the candidate is faster. "vs bound" is
 the bandwidth lower bound 2(n-1)/n * size * beta (Patarasuk & Yuan; beta
 calibrated for the slowest link in use) divided by the time: 1 would be a
@@ -275,9 +276,10 @@ def _sweep(
         x = xp.zeros(size // np.dtype(dtype).itemsize, dtype=dtype)
         iters = {k: _calibrate(comm, fn, x, batch_time) for k, fn in todo.items()}
         samples: dict[str, list[float]] = {k: [] for k in todo}
-        for _ in range(repeat):
-            for k, fn in todo.items():
-                samples[k].append(_time_batch(comm, fn, x, iters[k]))
+        names = list(todo)
+        for r in range(repeat):  # in turn, the order rotating: what runs before a candidate changes
+            for k in names[r % len(names) :] + names[: r % len(names)]:
+                samples[k].append(_time_batch(comm, todo[k], x, iters[k]))
         for k, s in samples.items():
             t = statistics.median(s)
             results.append(Result(size, label(k), t, size / t, size / t * 2 * (n - 1) / n if n > 1 else 0.0, 0.0))
