@@ -15,8 +15,9 @@ size: auto's time over the fastest of the other candidates in each run, the
 worst of those, in how many runs it stayed within ``--limit``, and what auto
 ran in each run (with where its choice came from: calibration, online
 tuning, cached), and in runs where auto was over the limit, the fastest
-other candidate and its time. Exit status 0 if auto stayed within the limit at every size
-of every run and ran the same algorithm in every run, 1 otherwise.
+other candidate and its time. Exit status 0 if auto stayed within the limit
+at every size of every run and ran the same algorithm in every run, 1
+otherwise.
 
 ``--no-validate`` times mpidl's calls, auto's included, without the
 cross-rank argument check, which native ``MPI_Allreduce`` does not make:

@@ -14,9 +14,9 @@ the tuning calls cost against running their winner from the start: the
 extra cost the issue bounds at 5 %). ``--all-close`` makes online tuning
 tune the three fastest candidates wherever the calibration found them,
 however far apart (the worst case for its cost). ``--deterministic`` tunes
-as ``mpidl train`` and ``mpidl bench`` do: the candidates' batches (and the
-watch's window) rehearsed on a copy before the first call, which then runs
-the winner, so "tuned/settled" is what the rehearsal's extra calls cost a
+as ``mpidl train`` and ``mpidl bench`` do: the candidates' batches (or,
+where nothing is tuned, the watch's window) rehearsed on a copy before the
+first call, which then runs the winner, so "tuned/settled" is what the rehearsal's extra calls cost a
 run of ``--calls``.
 """
 

@@ -6,11 +6,12 @@ batches of calls after a warm-up. A batch starts at a barrier and its time is
 the slowest rank's; candidates take turns within each repetition (so slow
 drift of a noisy machine hits all of them alike), in an order that rotates
 from one repetition to the next (so no candidate always follows the same
-one), and each reports the median over repetitions. "vs native" is native's time (the faster native variant)
-divided by the candidate's: above 1 the candidate is faster. "vs bound" is
-the bandwidth lower bound 2(n-1)/n * size * beta (Patarasuk & Yuan; beta
-calibrated for the slowest link in use) divided by the time: 1 would be a
-perfect bandwidth-optimal algorithm with free reductions. "model" is the cost
+one), and each reports the median over repetitions. "vs native" is native's
+time (the faster native variant) divided by the candidate's: above 1 the
+candidate is faster. "vs bound" is the bandwidth lower bound
+2(n-1)/n * size * beta (Patarasuk & Yuan; beta calibrated for the slowest
+link in use) divided by the time: 1 would be a perfect bandwidth-optimal
+algorithm with free reductions. "model" is the cost
 model's prediction (:mod:`collectives.tuning.costmodel`, with the argument check as
 the run has it); ``auto`` is listed with the algorithm it chose and, in that
 column, the time its choice was based on. After the table a summary gives,
