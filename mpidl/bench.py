@@ -60,7 +60,7 @@ import numpy as np
 import collectives
 from collectives.topology.layout import layout
 from collectives.transport import gpu, ops
-from collectives.tuning import costmodel
+from collectives.tuning import costmodel, sweep
 
 from . import plotting
 
@@ -277,9 +277,8 @@ def _sweep(
         x = xp.zeros(size // np.dtype(dtype).itemsize, dtype=dtype)
         iters = {k: _calibrate(comm, fn, x, batch_time) for k, fn in todo.items()}
         samples: dict[str, list[float]] = {k: [] for k in todo}
-        names = list(todo)
         for r in range(repeat):  # in turn, the order rotating: what runs before a candidate changes
-            for k in names[r % len(names) :] + names[: r % len(names)]:
+            for k in sweep.rotated(list(todo), r):
                 samples[k].append(_time_batch(comm, todo[k], x, iters[k]))
         for k, s in samples.items():
             t = statistics.median(s)

@@ -50,6 +50,7 @@ from mpi4py import MPI
 from ..kernels.plans import Run
 from ..transport import gpu
 from ..transport.ops import Reduction
+from .sweep import rotated, zeroed
 from .waits import waiting
 
 #: Candidates whose estimate is within this factor of the fastest's are tuned.
@@ -92,8 +93,7 @@ class Session:
     ) -> None:
         self.runs, self.comm, self.deterministic, self.calls = runs, comm, deterministic, calls
         if deterministic:  # batches of each candidate's calls, the candidates in a rotating order
-            turns = [names[r % len(names) :] + names[: r % len(names)] for r in range(REHEARSALS)]
-            self.order = [name for turn in turns for name in turn for _ in range(calls)]
+            self.order = [name for r in range(REHEARSALS) for name in rotated(names, r) for _ in range(calls)]
         else:  # single calls, in turn
             self.order = names * calls
         self.times: list[float] = []
@@ -117,8 +117,7 @@ class Session:
         """Run every call of the session on a zeroed copy of ``x`` now (zeros: the many sums
         of one buffer never overflow into warnings, and cost what any finite values do;
         collective)."""
-        copy = x.copy()
-        copy.fill(0)
+        copy = zeroed(x)
         while self.result is None:
             self(copy, red)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import statistics
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,12 +80,26 @@ def point(ctx: Context, runs: Mapping[str, Run], nbytes: int, xp: Any = np) -> d
     calls = {name: _calls(first[name]) for name in kept}
     samples: list[float] = []
     for r in range(ROUNDS):
-        turn = kept[r % len(kept) :] + kept[: r % len(kept)]
-        times = {name: batch(name, calls[name]) for name in turn}
+        times = {name: batch(name, calls[name]) for name in rotated(kept, r)}
         samples.extend(times[name] for name in kept)
     agreed = np.reshape(_slowest(comm, samples), (ROUNDS, len(kept)))
     medians = {name: statistics.median(agreed[:, j].tolist()) for j, name in enumerate(kept)}
     return {name: medians.get(name, first[name]) for name in names}
+
+
+def rotated(names: Sequence[str], turn: int) -> list[str]:
+    """``names`` starting at position ``turn`` (modulo their number): the order of round
+    ``turn`` where candidates take turns, so that none always runs after the same one."""
+    k = turn % len(names)
+    return [*names[k:], *names[:k]]
+
+
+def zeroed(x: Any) -> Any:
+    """A copy of ``x`` (its memory kind, dtype and length) holding zeros: a buffer that a
+    rehearsal sums again and again without overflowing, at the cost of any finite values."""
+    copy = x.copy()
+    copy.fill(0)
+    return copy
 
 
 def _calls(seconds: float) -> int:

@@ -78,6 +78,7 @@ from mpi4py import MPI
 from ..kernels.plans import Run
 from ..transport import gpu
 from ..transport.ops import Reduction
+from .sweep import zeroed
 from .waits import waiting
 
 #: Calls timed per window.
@@ -173,8 +174,7 @@ class Watch:
         the fastest other candidate) is timed the same way: only where it beats the choice
         by :data:`MARGIN` has the choice drifted; else every candidate is slower alike, the
         ranking stands, and the choice is kept (collective)."""
-        copy = x.copy()
-        copy.fill(0)  # as online tuning's rehearsal: no overflow however many sums
+        copy = zeroed(x)
         run(copy, red)
         seconds = self._batch(run, copy, red)
         if seconds > DRIFT * self.expected:
