@@ -124,20 +124,30 @@ def test_signed_zero_and_nan_agree_bitwise(algorithm: str, size: int) -> None:
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_native_short_sums_agree_bitwise(size: int) -> None:
-    """ "mpi" on a vector shorter than the communicator: NaNs of different payloads meet
-    (MPICH's MPI_Allreduce, recursive doubling there, left each rank its own payload)."""
+@pytest.mark.parametrize("length", [1, 3, 1000])
+def test_native_short_sums_agree_bitwise(size: int, length: int) -> None:
+    """ "mpi" on short vectors (MPICH's MPI_Allreduce runs recursive doubling there,
+    which left each rank its own NaN payload): values of many magnitudes, NaNs of
+    different payloads and signs meeting, an infinity, end bitwise identical; the NaNs
+    where numpy's sum has them, the rest its sum to rounding."""
     comm = comm_of_size(size)
-    x = np.array([nan(1 + comm.Get_rank())])
+    r = comm.Get_rank()
+    rng = np.random.default_rng(r)
+    x = rng.standard_normal(length) * 10.0 ** rng.integers(-8, 9, length)
+    x[::7] = -nan(1 + r) if r % 2 else nan(1 + r)
+    x[1::11] = np.inf
+    expected = np.sum(comm.allgather(x), axis=0)
     collectives.allreduce(x, comm, collective="mpi")
-    assert all_ok(comm, len(set(comm.allgather(x.tobytes()))) == 1 and bool(np.isnan(x[0])))
+    assert all_ok(comm, len(set(comm.allgather(x.tobytes()))) == 1)
+    assert all_ok(comm, bool(np.array_equal(np.isnan(x), np.isnan(expected))))
+    assert all_ok(comm, bool(np.allclose(x, expected, rtol=1e-12, atol=1e-6, equal_nan=True)))
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("algorithm", list(collectives.COLLECTIVES))
 def test_long_float_sums_agree_bitwise(algorithm: str, size: int) -> None:
-    """Beyond the MPI library's short-vector paths (98 KB, over the 64 KiB that "mpi"
-    reduces to one rank and broadcasts): sums of values of many magnitudes, with
+    """Beyond the MPI library's short-vector paths (98 KB, over the 64 KiB up to which
+    "mpi" makes NaNs alike after the call): sums of values of many magnitudes, with
     NaNs of different payloads meeting, end bitwise identical on every rank."""
     comm = comm_of_size(size)
     r = comm.Get_rank()

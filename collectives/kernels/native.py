@@ -1,28 +1,26 @@
 """The MPI library's own all-reduce, as one more algorithm ("mpi").
 
-Phases: one call of the library, in place on the caller's buffer, with the
-MPI datatype and op of the buffer's dtype and op (``avg`` reduces as ``sum``;
-the caller divides, as for every algorithm):
+Phases: one ``MPI_Allreduce(MPI_IN_PLACE)`` on the caller's buffer, with
+the MPI datatype and op of the buffer's dtype and op (``avg`` reduces as
+``sum``; the caller divides, as for every algorithm); then, for floats up to
+:data:`SHORT_LIMIT` bytes that hold a NaN, every NaN is made the same quiet
+NaN.
 
-* integers (int32, int64), any op: ``MPI_Allreduce(MPI_IN_PLACE)``; integer
-  results do not depend on the order in which the library combines them;
-* floats (float32, float64; sum, avg, prod) up to :data:`ORDERED_LIMIT`
-  bytes: ``MPI_Reduce`` to rank 0, then ``MPI_Bcast``; above it
-  ``MPI_Allreduce``.
-
-Why floats differ: MPI does not promise that every rank gets the same bits,
-and for short vectors MPICH 5.0.2 runs recursive doubling, where the two
-ranks of an exchange combine the pair in opposite operand orders. For
-finite sums and products that is the same number, but not for NaNs of
-different payloads (each rank keeps its own operand's): measured here,
-1- and 3-element sums of NaNs of different payloads differed between ranks
-on 2 to 5 ranks. A reduction to one rank followed by a broadcast gives
-every rank the bits one rank computed, whatever the library does. Above
-the limit MPICH's algorithms reduce each block on one rank (reduce-scatter,
-then all-gather), and every rank got the same bits at every size tested
-(tests/test_allreduce.py). ``auto`` in addition checks, on every size it
-measures, that the library gives every rank the same bits
-(:func:`collectives.tuning.sweep.identical`).
+Why: MPI does not promise that every rank gets the same bits. For short
+vectors MPICH 5.0.2 runs recursive doubling, where the two ranks of an
+exchange combine the pair in opposite operand orders. Sums and products are
+commutative, so finite results and infinities come out the same, but a NaN
+keeps its own operand's payload and sign: measured here, 1- and 3-element
+sums of NaNs of different payloads differed between ranks on 2 to 5 ranks.
+One ``x.dot(x)`` (NaN exactly where ``x`` holds one) finds them; only then
+are they rewritten. Above the limit MPICH reduces each block on one rank
+(reduce-scatter, then all-gather) and every rank got the same bits at every
+size tested, NaN payloads included (tests/test_allreduce.py). Integer
+results do not depend on the order. ``auto`` in addition checks, on every
+size it measures, that the library gives every rank the same bits
+(:func:`collectives.tuning.sweep.identical`) and leaves "mpi" out where it
+did not; an explicit "mpi" trusts the library, as a program calling
+``MPI_Allreduce`` does.
 
 float16 and bfloat16 have no MPI datatype in the standard, and MPI's
 ``MPI_MIN`` and ``MPI_MAX`` on floats do not propagate NaNs as numpy's
@@ -34,8 +32,8 @@ computes ``a < b ? a : b``, which keeps the second operand when either is NaN.
 Cost: whatever the library's algorithm costs (MPICH: recursive doubling,
 lg p (alpha + n beta + n gamma), for short vectors; Rabenseifner's
 reduce-scatter + all-gather, 2 lg p alpha + 2n (p-1)/p beta + n (p-1)/p gamma,
-for long ones, plus a temporary buffer it allocates per call); the floats'
-short path two trees, 2 lg p (alpha + n beta) + lg p n gamma.
+for long ones, plus a temporary buffer it allocates per call); short float
+vectors one more pass over n for the NaN scan.
 
 Bytes: the library moves them, so :mod:`collectives.transport.p2p` cannot
 count them. Each call counts 2 (p-1)/p n, the volume of a bandwidth-optimal
@@ -57,8 +55,8 @@ from mpi4py import MPI
 from ..transport import p2p
 from ..transport.ops import Reduction
 
-#: Largest float vector (bytes) reduced to rank 0 and broadcast (module docstring).
-ORDERED_LIMIT = 64 << 10
+#: Largest float vector (bytes) whose NaNs are made alike after the call (module docstring).
+SHORT_LIMIT = 64 << 10
 
 DATATYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T}
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
@@ -80,25 +78,19 @@ def unsupported(dtype: str, op: str) -> str | None:
 
 def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
     """Reduce the non-empty flat array ``x`` in place across ``comm`` with the
-    library's collectives (module docstring); every rank ends with the same bits."""
+    library's ``MPI_Allreduce`` (module docstring); every rank ends with the same bits."""
     p, rank = comm.Get_size(), comm.Get_rank()
     if p == 1:
         return
     p2p.count_sent(2 * (p - 1) * x.nbytes // p, p2p.MPI_LIBRARY)
     spec, op = [x, DATATYPES[red.dtype]], _OPS[red.op]
     others = tuple(r for r in range(p) if r != rank)
-    if red.dtype in _INTEGERS or x.nbytes > ORDERED_LIMIT:
-        if p2p.polls():
-            p2p.waitall([comm.Iallreduce(MPI.IN_PLACE, spec, op)], comm, others)
-        else:
-            with p2p.waiting(comm, others):
-                comm.Allreduce(MPI.IN_PLACE, spec, op)
-        return
-    send, recv = (MPI.IN_PLACE, spec) if rank == 0 else (spec, None)
     if p2p.polls():
-        p2p.waitall([comm.Ireduce(send, recv, op, 0)], comm, others)
-        p2p.waitall([comm.Ibcast(spec, 0)], comm, others)
+        p2p.waitall([comm.Iallreduce(MPI.IN_PLACE, spec, op)], comm, others)
     else:
         with p2p.waiting(comm, others):
-            comm.Reduce(send, recv, op, 0)
-            comm.Bcast(spec, 0)
+            comm.Allreduce(MPI.IN_PLACE, spec, op)
+    if red.dtype not in _INTEGERS and x.nbytes <= SHORT_LIMIT:
+        square = x.dot(x)
+        if square != square:
+            x[x != x] = float("nan")
