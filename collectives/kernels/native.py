@@ -76,15 +76,21 @@ def unsupported(dtype: str, op: str) -> str | None:
     return None
 
 
-def allreduce(x: Any, comm: MPI.Comm, red: Reduction) -> None:
+def peers(comm: MPI.Comm) -> tuple[int, ...]:
+    """The ranks of ``comm`` other than this one: whom a wait in the library waits for."""
+    rank = comm.Get_rank()
+    return tuple(r for r in range(comm.Get_size()) if r != rank)
+
+
+def allreduce(x: Any, comm: MPI.Comm, red: Reduction, others: tuple[int, ...]) -> None:
     """Reduce the non-empty flat array ``x`` in place across ``comm`` with the
-    library's ``MPI_Allreduce`` (module docstring); every rank ends with the same bits."""
-    p, rank = comm.Get_size(), comm.Get_rank()
-    if p == 1:
+    library's ``MPI_Allreduce`` (module docstring); every rank ends with the same bits.
+    ``others`` is :func:`peers` of ``comm`` (the plan keeps it: a call does not rebuild it)."""
+    if not others:
         return
+    p = len(others) + 1
     p2p.count_sent(2 * (p - 1) * x.nbytes // p, p2p.MPI_LIBRARY)
     spec, op = [x, DATATYPES[red.dtype]], _OPS[red.op]
-    others = tuple(r for r in range(p) if r != rank)
     if p2p.polls():
         p2p.waitall([comm.Iallreduce(MPI.IN_PLACE, spec, op)], comm, others)
     else:

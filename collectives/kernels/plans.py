@@ -108,15 +108,16 @@ class Native:
 
     def __init__(self, req: Request) -> None:
         self.comm = req.ctx.comm
+        self.others = native.peers(self.comm)
 
     def __call__(self, x: Any, red: Reduction) -> None:
         if type(x) is np.ndarray:
-            native.allreduce(x, self.comm, red)
+            native.allreduce(x, self.comm, red, self.others)
         elif gpu.PATH.mode == "direct":
             gpu.synchronize()
-            native.allreduce(x, self.comm, red)
+            native.allreduce(x, self.comm, red, self.others)
         else:
-            gpu.on_host(x, lambda host: native.allreduce(host, self.comm, red))
+            gpu.on_host(x, lambda host: native.allreduce(host, self.comm, red, self.others))
 
 
 #: The algorithms' planners by name (``auto`` is :mod:`collectives.api`'s, on top of these).
