@@ -31,7 +31,7 @@ import statistics
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -42,6 +42,8 @@ from ..transport.context import Context
 from ..transport.ops import reduction
 from ..validation import check
 from .waits import barrier, waiting
+
+T = TypeVar("T")
 
 #: Rounds of interleaved batches per grid size.
 ROUNDS = 5
@@ -87,7 +89,7 @@ def point(ctx: Context, runs: Mapping[str, Run], nbytes: int, xp: Any = np) -> d
     return {name: medians.get(name, first[name]) for name in names}
 
 
-def rotated(names: Sequence[str], turn: int) -> list[str]:
+def rotated(names: Sequence[T], turn: int) -> list[T]:
     """``names`` starting at position ``turn`` (modulo their number): the order of round
     ``turn`` where candidates take turns, so that none always runs after the same one."""
     k = turn % len(names)
