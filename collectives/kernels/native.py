@@ -16,7 +16,7 @@ payloads differed between ranks (measured on 2 to 5 ranks); for longer ones
 it reduces each block on one rank (reduce-scatter, then all-gather), and
 every rank got the same bits at every length tested, NaN payloads included
 (tests/test_allreduce.py). Other libraries take recursive doubling for
-longer vectors (Open MPI's fixed decision below 10,000 bytes), hence the
+longer vectors (Open MPI 1.6's fixed decision: below 10,000 bytes), hence the
 generous limit. One ``x.dot(x)`` (NaN exactly where ``x`` holds one) finds
 the NaNs; only then are they rewritten. Integer results do not depend on
 the order. ``auto`` in addition checks, on every size it measures, that the
