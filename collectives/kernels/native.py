@@ -9,21 +9,21 @@ NaN.
 Why: MPI does not promise that every rank gets the same bits. In recursive
 doubling the two ranks of an exchange combine the pair in opposite operand
 orders. Sums and products are commutative, so finite results and infinities
-come out the same, but a NaN keeps its own operand's payload and sign.
-MPICH 5.0.2 takes recursive doubling for vectors shorter than the largest
-power of two not above the number of ranks, and there sums of NaNs of different
-payloads differed between ranks (measured on 2 to 5 ranks); for longer ones
-it reduces each block on one rank (reduce-scatter, then all-gather), and
-every rank got the same bits at every length tested, NaN payloads included
-(tests/test_allreduce.py). Other libraries take recursive doubling for
-longer vectors (Open MPI 1.6's fixed decision: below 10,000 bytes), hence the
-generous limit. One ``x.dot(x)`` (NaN exactly where ``x`` holds one) finds
-the NaNs; only then are they rewritten. Integer results do not depend on
-the order. ``auto`` in addition checks, on every size it measures, that the
-library gives every rank the same bits
+come out the same, but a NaN keeps its own operand's payload and sign. MPICH
+5.0.2 takes recursive doubling for vectors shorter than pof2, the largest
+power of two not above the number of ranks, and there sums of NaNs of
+different payloads differed between ranks (measured on 2 to 5 ranks); for
+longer ones it reduces each block on one rank (reduce-scatter, then
+all-gather), and every rank got the same bits at every length tested, NaN
+payloads included (tests/test_allreduce.py). Other libraries take recursive
+doubling for longer vectors (Open MPI 1.6's fixed decision: below 10,000
+bytes), hence the generous limit. One ``x.dot(x)`` (NaN exactly where ``x``
+holds one) finds the NaNs; only then are they rewritten. Integer results do
+not depend on the order. ``auto`` in addition checks, on every size it
+measures, that the library gives every rank the same bits
 (:func:`collectives.tuning.sweep.identical`) and leaves "mpi" out where it
-did not; an explicit "mpi" trusts the library beyond the limit, as a
-program calling ``MPI_Allreduce`` does.
+did not; an explicit "mpi" trusts the library beyond the limit, as a program
+calling ``MPI_Allreduce`` does.
 
 float16 and bfloat16 have no MPI datatype in the standard, and MPI's
 ``MPI_MIN`` and ``MPI_MAX`` on floats do not propagate NaNs as numpy's
@@ -33,7 +33,7 @@ computes ``a < b ? a : b``, which keeps the second operand when either is NaN.
 ``auto`` leaves "mpi" out there.
 
 Cost: whatever the library's algorithm costs (MPICH: recursive doubling,
-lg p (alpha + n beta + n gamma), below p elements; Rabenseifner's
+lg p (alpha + n beta + n gamma), below pof2 elements; Rabenseifner's
 reduce-scatter + all-gather, 2 lg p alpha + 2n (p-1)/p beta + n (p-1)/p gamma,
 for long ones, plus a temporary buffer it allocates per call); short float
 vectors one more pass over n for the NaN scan.
