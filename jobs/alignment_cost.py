@@ -17,14 +17,14 @@ the argument check on.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 import collectives
-from mpidl.bench import parse_size
+from mpidl.bench import parse_size, time_batch
 
 OFFSETS = (0, 16, 64)
 
@@ -38,15 +38,9 @@ def at_offset(nbytes: int, offset: int) -> np.ndarray:
 
 def seconds(x: np.ndarray, collective: str, calls: int, repeat: int, comm: MPI.Comm) -> float:
     """Median over ``repeat`` batches of ``calls`` of the slowest rank's seconds a call."""
-    collectives.allreduce(x, comm, collective=collective)
-    samples = []
-    for _ in range(repeat):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            collectives.allreduce(x, comm, collective=collective)
-        samples.append(comm.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX))
-    return statistics.median(samples)
+    fn = functools.partial(collectives.allreduce, comm=comm, collective=collective)
+    fn(x)
+    return statistics.median(time_batch(comm, fn, x, calls) for _ in range(repeat))
 
 
 def main() -> None:

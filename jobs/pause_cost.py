@@ -22,6 +22,7 @@ itself (docs/performance.rst, "What per-call work costs on a shared core").
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -29,7 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives.tuning.sweep import rotated
-from mpidl.bench import parse_size
+from mpidl.bench import parse_size, time_batch
 
 
 def pause(seconds: float) -> None:
@@ -37,6 +38,13 @@ def pause(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def call_and_pause(comm: MPI.Comm, x: np.ndarray, seconds: float) -> None:
+    """One native in-place all-reduce of ``x``, then ``seconds`` of CPU work."""
+    comm.Allreduce(MPI.IN_PLACE, x)
+    if seconds:
+        pause(seconds)
 
 
 def main() -> None:
@@ -52,13 +60,7 @@ def main() -> None:
     samples: dict[float, list[float]] = {p: [] for p in pauses}
     for r in range(args.repeat):
         for p in rotated(pauses, r):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                comm.Allreduce(MPI.IN_PLACE, x)
-                if p:
-                    pause(p)
-            samples[p].append(comm.allreduce((time.perf_counter() - t0) / args.calls, op=MPI.MAX))
+            samples[p].append(time_batch(comm, functools.partial(call_and_pause, comm, seconds=p), x, args.calls))
     if comm.Get_rank() == 0:
         base = statistics.median(samples[0.0])
         print(f"# {comm.Get_size()} ranks, native MPI_Allreduce of {args.size}: {base * 1e6:.1f} us a call")

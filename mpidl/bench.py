@@ -279,7 +279,7 @@ def _sweep(
         samples: dict[str, list[float]] = {k: [] for k in todo}
         for r in range(repeat):  # in turn, the order rotating: what runs before a candidate changes
             for k in sweep.rotated(list(todo), r):
-                samples[k].append(_time_batch(comm, todo[k], x, iters[k]))
+                samples[k].append(time_batch(comm, todo[k], x, iters[k]))
         for k, s in samples.items():
             t = statistics.median(s)
             results.append(Result(size, label(k), t, size / t, size / t * 2 * (n - 1) / n if n > 1 else 0.0, 0.0))
@@ -323,11 +323,11 @@ def _calibrate(comm: Any, fn: Callable[[np.ndarray], object], x: np.ndarray, bat
     """Warm up, then choose (on every rank alike) how many calls make one batch."""
     fn(x)
     fn(x)
-    t = _time_batch(comm, fn, x, 1)
+    t = time_batch(comm, fn, x, 1)
     return max(1, min(10000, int(batch_time / max(t, 1e-7))))
 
 
-def _time_batch(comm: Any, fn: Callable[[np.ndarray], object], x: np.ndarray, iters: int) -> float:
+def time_batch(comm: Any, fn: Callable[[np.ndarray], object], x: np.ndarray, iters: int) -> float:
     """Seconds per call over a barrier-aligned batch, the slowest rank's."""
     from mpi4py import MPI
 

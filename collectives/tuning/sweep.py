@@ -89,11 +89,11 @@ def point(ctx: Context, runs: Mapping[str, Run], nbytes: int, xp: Any = np) -> d
     return {name: medians.get(name, first[name]) for name in names}
 
 
-def rotated(names: Sequence[T], turn: int) -> list[T]:
-    """``names`` starting at position ``turn`` (modulo their number): the order of round
+def rotated(items: Sequence[T], turn: int) -> list[T]:
+    """``items`` starting at position ``turn`` (modulo their number): the order of round
     ``turn`` where candidates take turns, so that none always runs after the same one."""
-    k = turn % len(names)
-    return [*names[k:], *names[:k]]
+    k = turn % len(items)
+    return [*items[k:], *items[:k]]
 
 
 def zeroed(x: Any) -> Any:
