@@ -204,7 +204,7 @@ class _Call:
         self.operation = f"allreduce(collective={algorithm!r})"
         self.average = op == "avg"
         self.run: Run | None = None
-        self.carrier: shm.Segment | None = None
+        self.carrier: shm.Carried | None = None
         self.fuse = False
         self.watch: Watch | None = None
         self.version = 0  # the watch's, when bound
@@ -216,10 +216,9 @@ class _Call:
             self.find(x)
             watch = self.watch
         start = 0.0 if watch is None else time.perf_counter()
-        red, seg = self.red, self.carrier
-        if seg is not None:  # the check rides in the shared segment
-            seg.post(self.header)
-            shm.allreduce(x, seg, red, self.verify)
+        carrier, red = self.carrier, self.red
+        if carrier is not None:  # the check rides in the shared segment
+            carrier(x)
         elif (
             not self.validate
             or not validation.check(
@@ -272,7 +271,12 @@ class _Call:
             self.operation = f"allreduce(collective='auto': {name!r})"  # what the stall inspector names
             p2p.operation(self.operation)
         if self.validate and type(x) is np.ndarray and ctx.size > 1:
-            self.carrier = run.carrier(ctx) if isinstance(run, Shm) else None
+            seg = run.carrier(ctx) if isinstance(run, Shm) else None
+            self.carrier = (
+                None
+                if seg is None
+                else shm.Carried(seg, x.shape[0], x.dtype, self.red, self.header, self.agreed, self.verify)
+            )
             self.fuse = x.nbytes <= validation.FUSE_LIMIT and _rides_check(ctx, name, run)
         self.run = run
         return run

@@ -14,6 +14,8 @@ interleaved:
   handle called (its arguments resolved once, the check still on every call);
 * ``call``: the call the entry point resolved and kept, called directly
   (what the entry point's look-ups cost is ``api`` less this);
+* ``carried``: the call's :class:`collectives.kernels.shm.Carried` (what the call runs:
+  the check's header posted, then the reduction, resolved once);
 * ``kernel``: the check's header posted, then :func:`collectives.kernels.shm.allreduce`;
 * ``floor``: the same work written out in one loop: post the header, copy
   into the segment, one barrier, compare the headers, add the peers' slots
@@ -50,7 +52,7 @@ def main() -> None:
     seg = shm.shared(ctx)
     if seg is None:
         raise SystemExit("small_call_cost.py: run it on 2 or more ranks of one node")
-    call = next(c for c in ctx.calls.values() if c.carrier is seg)
+    call = next(c for c in ctx.calls.values() if c.carrier is not None)
     header, agreed, red = call.header, call.agreed, call.red
     peers = [r for r in range(seg.size) if r != seg.rank]
 
@@ -73,6 +75,7 @@ def main() -> None:
         "api": lambda: collectives.allreduce(x, comm, "sum", "shm"),
         "persistent": collectives.allreduce_init(x, comm, "sum", "shm"),
         "call": lambda: call(x),
+        "carried": lambda: call.carrier(x),
         "kernel": kernel,
         "floor": floor,
         "barrier": seg.barrier,

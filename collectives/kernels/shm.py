@@ -28,7 +28,8 @@ Either way every element is computed by the same operations in the same
 order, so all ranks end bitwise identical. The argument check rides along:
 every rank writes its signature header into the segment before the first
 barrier and reads all headers after it (:meth:`Segment.post`,
-:meth:`Segment.headers`), so it costs no extra synchronisation. A call whose
+:meth:`Segment.headers`), so it costs no extra synchronisation; a
+:class:`Carried` call holds what a small checked call looks up, resolved once. A call whose
 check fails gives back the buffer it took (:meth:`Segment.verify`), leaving
 the segment as the plain check (post, barrier, verify) leaves it on a rank
 whose call failed before it reached the segment.
@@ -319,9 +320,52 @@ def _replicated(part: np.ndarray, seg: Segment, red: Reduction, check: Check | N
     if not receives:
         return
     if seg.size == 2:
-        red.combine(part, v.inputs[1 - seg.rank], src_first=seg.rank == 1)
+        red.combine(part, v.inputs[1 - seg.rank], seg.rank == 1)
     else:
         red.fold(part, v.inputs)
+
+
+class Carried:
+    """A checked all-reduce of host vectors of one length and dtype over all of
+    ``seg``'s ranks, resolved once: calling it on ``x`` does what ``seg.post(header)``
+    and ``allreduce(x, seg, red, check)`` do. A vector of one piece on the replicated
+    path (every vector up to :data:`REPLICATE` bytes, and up to a piece on two ranks)
+    takes the views of both buffers from here and compares the headers with
+    ``agreed`` (every rank's header, when all agree) before it calls ``check``: a small
+    all-reduce's few microseconds are mostly such Python work."""
+
+    __slots__ = ("_dtype", "_peer", "_turns", "agreed", "check", "header", "red", "seg")
+
+    def __init__(
+        self, seg: Segment, count: int, dtype: np.dtype, red: Reduction, header: bytes, agreed: bytes, check: Check
+    ) -> None:
+        self.seg, self.red, self.header, self.agreed, self.check = seg, red, header, agreed, check
+        nbytes = count * dtype.itemsize
+        one = 0 < nbytes <= seg.capacity and (seg.size == 2 or nbytes <= REPLICATE)
+        self._turns = (_Views(seg, 0, count, dtype), _Views(seg, 1, count, dtype)) if one else None
+        self._dtype = dtype  # the views' buffer format: int64 may come as "l" or "q", which differ
+        self._peer = 1 - seg.rank if seg.size == 2 else None  # whose slot is folded into x (as _replicated)
+
+    def __call__(self, x: np.ndarray) -> None:
+        """Reduce ``x`` (of the length and dtype given) in place; if the check fails,
+        raise with ``x`` untouched."""
+        seg, turns = self.seg, self._turns
+        seg.post(self.header)
+        if turns is None or x.dtype is not self._dtype:
+            allreduce(x, seg, self.red, self.check)
+            return
+        p2p.count_sent(x.nbytes)
+        v = turns[seg._turn]
+        seg._turn ^= 1
+        v.mine[:] = x
+        seg.barrier()
+        if seg.headers() != self.agreed:
+            seg.verify(self.check)
+        peer = self._peer
+        if peer is None:
+            self.red.fold(x, v.inputs)
+        else:
+            self.red.combine(x, v.inputs[peer], peer == 0)
 
 
 def _sliced(x: np.ndarray, seg: Segment, red: Reduction, check: Check | None, receives: bool) -> None:
