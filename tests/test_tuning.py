@@ -60,6 +60,24 @@ def test_decisions_tuned_checked_excluded_and_cached() -> None:
     assert loaded.decide(4 * KIB, ["ring"], False, rides).source == "cached calibration"
 
 
+def test_what_a_drift_dropped_stays_dropped_when_saved_over_the_file() -> None:
+    """A drift drops a size's grid points and its band's tuning. Saving merges the table
+    with the file, which still holds them: the merge must not bring them back, or the
+    next process would load the stale tuning, drift and measure again, and the choice
+    would change from one process to the next."""
+    size = 3 << 20
+    lo, hi = needed(size)
+    key = f"{band(size)}:ring,shm"
+    on_disk = Table({lo: {"ring": 1.0}, hi: {"ring": 2.0}, 4 * KIB: {"ring": 3.0}}, {key: {"ring": 1.0, "shm": 2.0}})
+    table = Table.from_json(json.loads(json.dumps(on_disk.to_json())))
+    table.drop(size)
+    assert table.points == {4 * KIB: {"ring": 3.0}} and table.tuned == {}
+    assert table.loaded == {4 * KIB}  # what is left still counts as cached
+    table.points[hi] = {"ring": 5.0}  # measured anew
+    table.merge(on_disk)
+    assert table.points == {hi: {"ring": 5.0}, 4 * KIB: {"ring": 3.0}} and table.tuned == {}
+
+
 @pytest.mark.parametrize(
     "raw",
     [None, [], {"points": {"x": {}}, "tuned": {}, "check": None, "excluded": {}}, {"points": {}, "tuned": {}}],

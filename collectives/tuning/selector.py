@@ -202,13 +202,7 @@ class Selector:
         size measures anew (no communication: every rank learns of a drift at the same call)."""
         memory, table = self.table(xp)
         where = (memory, band(nbytes))
-        for size in needed(nbytes):
-            table.points.pop(size, None)
-            table.loaded.discard(size)
-        prefix = f"{where[1]}:"
-        for key in [key for key in table.tuned if key.startswith(prefix)]:
-            del table.tuned[key]
-            table.loaded.discard(key)
+        table.drop(nbytes)
         self.changed.add(memory)
         drifts, _ = self.drifts.get(where, (0, ""))
         story = f"measured anew: {name} took {seconds * 1e6:.1f} us a call where {expected * 1e6:.1f} us were expected"

@@ -70,6 +70,9 @@ class Table:
     excluded: dict[str, str] = field(default_factory=dict)
     #: What came from the persisted cache (not saved: the source of a decision).
     loaded: set[Any] = field(default_factory=set)
+    #: What this process dropped as stale (:meth:`drop`; not saved): a merge with the
+    #: persisted file does not bring it back.
+    dropped: set[Any] = field(default_factory=set)
 
     def estimate(self, name: str, nbytes: int) -> float | None:
         """``name``'s estimated time for ``nbytes`` from the grid (module docstring); None
@@ -160,12 +163,28 @@ class Table:
             raise ValueError(f"check time {check!r} is not a number of seconds")
         return cls(points, tuned, check, excluded, {*points, *tuned})
 
+    def drop(self, nbytes: int) -> None:
+        """Forget the grid sizes ``nbytes`` needs and the online tunings of its band, here
+        and in the persisted file when this table is saved over it (:meth:`merge`), so
+        that the next choice of the size measures anew."""
+        sizes = needed(nbytes)
+        tunings = [key for key in self.tuned if key.startswith(f"{band(nbytes)}:")]
+        for size in sizes:
+            self.points.pop(size, None)
+        for key in tunings:
+            del self.tuned[key]
+        self.loaded.difference_update(sizes, tunings)
+        self.dropped.update(sizes, tunings)
+
     def merge(self, other: Table) -> None:
-        """Add what ``other`` has and this table lacks (this table's entries win)."""
+        """Add what ``other`` has and this table lacks and has not dropped (this table's
+        entries win)."""
         for s, times in other.points.items():
-            self.points.setdefault(s, times)
+            if s not in self.dropped:
+                self.points.setdefault(s, times)
         for k, times in other.tuned.items():
-            self.tuned.setdefault(k, times)
+            if k not in self.dropped:
+                self.tuned.setdefault(k, times)
         if self.check is None:
             self.check = other.check
         for c, why in other.excluded.items():
