@@ -28,11 +28,11 @@ Either way every element is computed by the same operations in the same
 order, so all ranks end bitwise identical. The argument check rides along:
 every rank writes its signature header into the segment before the first
 barrier and reads all headers after it (:meth:`Segment.post`,
-:meth:`Segment.headers`), so it costs no extra synchronisation; a
-:class:`Carried` call holds what a small checked call looks up, resolved once. A call whose
-check fails gives back the buffer it took (:meth:`Segment.verify`), leaving
-the segment as the plain check (post, barrier, verify) leaves it on a rank
-whose call failed before it reached the segment.
+:meth:`Segment.headers`), so it costs no extra synchronisation
+(:class:`Carried`: such a call with what it looks up resolved once). A call
+whose check fails gives back the buffer it took (:meth:`Segment.verify`),
+leaving the segment as the plain check (post, barrier, verify) leaves it on
+a rank whose call failed before it reached the segment.
 
 Across nodes (:func:`hierarchical`): the node's sum is reduced this way onto
 the node leader only, the leaders run a ring all-reduce
