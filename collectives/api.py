@@ -273,9 +273,7 @@ class _Call:
         if self.validate and type(x) is np.ndarray and ctx.size > 1:
             seg = run.carrier(ctx) if isinstance(run, Shm) else None
             self.carrier = (
-                None
-                if seg is None
-                else shm.Carried(seg, x.shape[0], x.dtype, self.red, self.header, self.agreed, self.verify)
+                None if seg is None else shm.Carried(seg, x.shape[0], x.dtype, self.red, self.header, self.verify)
             )
             self.fuse = x.nbytes <= validation.FUSE_LIMIT and _rides_check(ctx, name, run)
         self.run = run

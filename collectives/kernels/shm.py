@@ -330,16 +330,15 @@ class Carried:
     ``seg``'s ranks, resolved once: calling it on ``x`` does what ``seg.post(header)``
     and ``allreduce(x, seg, red, check)`` do. A vector of one piece on the replicated
     path (every vector up to :data:`REPLICATE` bytes, and up to a piece on two ranks)
-    takes the views of both buffers from here and compares the headers with
-    ``agreed`` (every rank's header, when all agree) before it calls ``check``: a small
+    takes the views of both buffers from here and compares the posted headers with
+    ``header`` repeated (every rank's, when all agree) before it calls ``check``: a small
     all-reduce's few microseconds are mostly such Python work."""
 
     __slots__ = ("_dtype", "_peer", "_turns", "agreed", "check", "header", "red", "seg")
 
-    def __init__(
-        self, seg: Segment, count: int, dtype: np.dtype, red: Reduction, header: bytes, agreed: bytes, check: Check
-    ) -> None:
-        self.seg, self.red, self.header, self.agreed, self.check = seg, red, header, agreed, check
+    def __init__(self, seg: Segment, count: int, dtype: np.dtype, red: Reduction, header: bytes, check: Check) -> None:
+        self.seg, self.red, self.header, self.check = seg, red, header, check
+        self.agreed = header * seg.size  # every rank's header, when all agree
         nbytes = count * dtype.itemsize
         one = 0 < nbytes <= seg.capacity and (seg.size == 2 or nbytes <= REPLICATE)
         self._turns = (_Views(seg, 0, count, dtype), _Views(seg, 1, count, dtype)) if one else None
