@@ -54,7 +54,8 @@ Modes:
            float64 models: three workers die one after the other (rings of 4, 3 and 2
            workers re-linked; the last survivor steps alone), each at the point of an
            exchange with a neighbor that GRSGD_PLANS[SEED] gives it, its other exchanges
-           first completed on both ends (0.2 s for the neighbors to apply theirs):
+           first completed on both ends (0.2 s for the neighbors to apply theirs; where
+           they, or the neighbor's half, take over a second, at a later exchange):
            ``before`` it starts the exchange (its neighbor may have started its own
            half), ``during`` it (both snapshots exchanged, its increment not applied) or
            ``after`` it (applied on both ends, 0.2 s later); armed after a number of steps
@@ -406,19 +407,36 @@ if mode == "grsgd":
     seed = int(sys.argv[2])
     algo, x, plan, die = dying_models("grsgd", 23)
 
+    def completes(pending: list[Any]) -> bool:
+        """Whether every transfer in ``pending`` completes within a second (polled)."""
+        end = time.monotonic() + 1.0
+        while not p2p.test(pending):
+            if time.monotonic() > end:
+                return False
+            time.sleep(1e-4)
+        return True
+
     def arm(trial: int, ring: str, when: str) -> None:
-        """Make this worker die at the point ``when`` of the next exchange it starts."""
+        """Make this worker die at the point ``when`` of the next exchange it starts whose
+        other exchanges (and for ``during`` and ``after`` its neighbor's half) complete within
+        a second. Waiting longer could close a cycle of waits: its neighbor may wait, through
+        the rest of the ring, for the very exchange this worker has not started yet (GR-SGD
+        itself starts every idle exchange before it waits). Where they do not complete, the
+        exchange goes on as usual and the next one is tried."""
         begin, point = algo._begin, f"{when} an exchange"
 
         def dying(peer: int, edge: Any) -> None:
-            for other, started in algo._edges.items():  # no other exchange in doubt
-                if started.pending:
-                    algo._finish(other, started)
+            others = [started for started in algo._edges.values() if started.pending]
+            if not completes([r for started in others for r in started.pending]):
+                return begin(peer, edge)
+            for started in others:  # no other exchange in doubt
+                algo._apply(started)
             if when == "before":  # the neighbor's half may be posted; this worker's is not
                 time.sleep(0.2)
                 die(trial, point, x.copy())
             begin(peer, edge)
-            p2p.waitall(edge.pending)
+            if not completes(edge.pending):
+                return
             time.sleep(0.2)  # the neighbor has applied its increment
             if when == "during":  # both snapshots exchanged, this end's increment not applied
                 die(trial, point, x + algo.weight * (edge.theirs - edge.snapshot))
