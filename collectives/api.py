@@ -15,8 +15,10 @@ calibrate the cost model: collective), so nothing of the kind happens per call.
 Once the plan exists the check rides with the data where it can: in the
 shared segment when the shared-memory algorithm runs on one node, in the
 messages of small butterfly all-reduces on communicators that span nodes of
-one rank each, and with small shared-memory all-reduces through the check's
-own stages where nodes hold several ranks (:mod:`collectives.validation`).
+one rank each, with small shared-memory all-reduces through the check's
+own stages where nodes hold several ranks, and across nodes in the MPI
+library's own call of a short "mpi" all-reduce that repeats the expected
+call (:mod:`collectives.validation`).
 Which way a call goes depends only on what every rank built together (the
 plans, and ``auto``'s choice per size), never on the resolved calls a rank
 happens to keep: a call is bound as soon as its plan exists, so ranks whose
@@ -41,7 +43,7 @@ from mpi4py import MPI
 from . import validation
 from .errors import ArgumentError, renamed_keyword
 from .kernels import native, reduce_broadcast, shm
-from .kernels.plans import PLANNERS, Request, Run, Shm
+from .kernels.plans import PLANNERS, Native, Request, Run, Shm
 from .topology import hierarchy
 from .topology.layout import Layout, RanksPerNode
 from .topology.layout import layout as node_layout
@@ -163,6 +165,7 @@ class _Call:
         "ctx",
         "fuse",
         "header",
+        "native",
         "operation",
         "plan",
         "red",
@@ -205,7 +208,7 @@ class _Call:
         self.average = op == "avg"
         self.run: Run | None = None
         self.carrier: shm.Carried | None = None
-        self.fuse = False
+        self.fuse = self.native = False
         self.watch: Watch | None = None
         self.version = 0  # the watch's, when bound
 
@@ -222,7 +225,15 @@ class _Call:
         elif (
             not self.validate
             or not validation.check(
-                self.ctx, "allreduce", None, self.signature, _field_names, x if self.fuse else None, red, _FIELDS
+                self.ctx,
+                "allreduce",
+                None,
+                self.signature,
+                _field_names,
+                x if self.fuse else None,
+                red,
+                _FIELDS,
+                self.native,
             )
         ) and x.shape[0]:  # the data moves unless the check already carried it
             if type(x) is not np.ndarray:
@@ -250,7 +261,7 @@ class _Call:
         every rank, whatever resolved calls each rank has kept (:data:`_CALLS`).
         """
         if self.watch is not None:  # the watch moved on: the binding is dropped, auto binds anew
-            self.run, self.carrier, self.fuse, self.watch = None, None, False, None
+            self.run, self.carrier, self.fuse, self.native, self.watch = None, None, False, False, None
         plan = self.ctx.cache.get(self.plan)
         if plan is not None and (not isinstance(plan, _Auto) or plan.decided(x, self.red, self.validate)):
             self.bind(x)
@@ -275,7 +286,8 @@ class _Call:
             self.carrier = (
                 None if seg is None else shm.Carried(seg, x.shape[0], x.dtype, self.red, self.header, self.verify)
             )
-            self.fuse = x.nbytes <= validation.FUSE_LIMIT and _rides_check(ctx, name, run)
+            self.fuse = _rides_check(ctx, name, run, x)
+            self.native = self.fuse and isinstance(run, Native)
         self.run = run
         return run
 
@@ -541,14 +553,19 @@ def _plan_key(algorithm: str, layout: RanksPerNode, grid: tuple[int, int] | None
     return ("plan", algorithm, repr((layout, grid)))
 
 
-def _rides_check(ctx: Context, name: str, run: Run) -> bool:
-    """Whether ``run`` (algorithm ``name``) can reduce a small host vector in the check's
-    messages on a communicator whose ranks span nodes (:func:`collectives.validation.check`):
-    the butterfly where the check is one recursive doubling over all ranks, the
-    shared-memory algorithm on the check's own nodes where it goes through them
-    (collective on first use of the communicator's segment and nodes: every rank binds
-    at the same call)."""
+def _rides_check(ctx: Context, name: str, run: Run, x: np.ndarray) -> bool:
+    """Whether ``run`` (algorithm ``name``) can reduce the host vector ``x`` together with
+    the check on a communicator whose ranks span nodes (:func:`collectives.validation.check`):
+    the MPI library's all-reduce below its short limit, in which the check rides where the
+    call was the expected one; up to the fused limit, in the check's messages, the
+    butterfly where the check is one recursive doubling over all ranks, the shared-memory
+    algorithm on the check's own nodes where it goes through them (collective on first
+    use of the communicator's segment and nodes: every rank binds at the same call)."""
     if shm.shared(ctx) is not None:
+        return False
+    if isinstance(run, Native):
+        return x.nbytes + x.itemsize <= native.SHORT_LIMIT
+    if x.nbytes > validation.FUSE_LIMIT:
         return False
     split = validation.nodes(ctx)
     if split is None:

@@ -53,6 +53,27 @@ caller's buffer once the verdict is clear. The two stages in the segment
 are interchangeable with the bare check's, as on one node, so ranks on the
 bare and on the fused path meet at the same barriers and raise alike.
 
+Across nodes a short vector of the MPI library's all-reduce ("mpi") can carry
+the check in the library's own call, where the call is the one expected
+(:class:`Expected`). Every check that all ranks passed is remembered, with the
+check that came next; a check that followed another :data:`SURE` times in a row
+is expected after it. That history is the same on every rank, so every rank
+expects the same call. Then each rank, before anything else, runs that
+call's ``MPI_Allreduce`` of the vector and one tag after it, on a copy:
+every rank whose own call is the expected one puts in its vector and the tag
+"same", and any other (another call, a bad buffer) zeros and the tag
+"other", chosen per op so that the reduced tag is "same" only where every
+rank's was (:data:`_TAGS`). So the library's call has the same count,
+datatype and op on every rank whatever the ranks called. Where the tag says
+same, every rank's signature was the expected one and the copy, with the
+NaNs made alike, goes to the caller's buffer; otherwise no buffer changed
+and the full check above follows and raises, or passes for a call that was
+merely not the expected one. A call that repeats costs one library call, two
+copies of the vector and a few lookups; a call that was not expected, one
+short library call more than before. Calls that follow one another in a
+fixed cycle (a training step's all-reduces) are all expected once the cycle
+has run twice.
+
 Checking is on by default; pass ``validate=False``, call
 :func:`set_default`, or set ``MPIDL_VALIDATE=0`` before start-up to skip it,
 after which a disagreement is undefined behaviour (an MPI error, a hang or a
@@ -64,7 +85,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -72,7 +93,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import ArgumentError
-from .kernels import shm
+from .kernels import native, shm
 from .kernels.fold import fold_of
 from .topology.hierarchy import node_comms
 from .topology.layout import detected
@@ -131,6 +152,7 @@ def check(
     data: Any = None,
     red: Reduction | None = None,
     fields: Sequence[str] = FIELDS[1:],
+    native: bool = False,
 ) -> bool:
     """Raise the same ArgumentError on every rank unless all agree and none has a problem.
 
@@ -148,6 +170,10 @@ def check(
             (every rank must pass one, of the same size).
         fields: what the error message calls the signature's fields (default
             FIELDS[1:]).
+        native: ``data`` goes through the MPI library's all-reduce on
+            ``ctx.comm`` (the "mpi" plan): it is reduced here only where the
+            check rides in that all-reduce (:class:`Expected`), with fewer
+            than :data:`~collectives.kernels.native.SHORT_LIMIT` bytes.
 
     Returns:
         True if ``data`` was given and now holds the reduction.
@@ -158,6 +184,16 @@ def check(
         seg.barrier()
         verify(ctx, what, problem, signature, names, seg.headers(), fields)
         return False
+    key = None if problem is not None else (what, tuple(signature), native)
+    expect = expected(ctx)
+    if expect.next is not None:
+        if expect.ride(ctx.comm, data if expect.rides.get(key) is expect.next else None):
+            expect.hit(key)
+            return True
+        expect.misses += 1  # someone's call was another: the full check says whose
+    riding = data
+    if native:
+        data = None
     nbytes = 0 if data is None else data.nbytes
     if nbytes:
         assert red is not None, "data to reduce needs its reduction"
@@ -171,10 +207,114 @@ def check(
     else:
         flag, mine = _hierarchical(split, status, header(problem, signature), flag, ref, mine, red)
     if flag:
+        expect.failed()
         _raise(ctx, what, problem, signature, names(), fields)
     if mine is not None:
         np.copyto(data, mine)  # the result: every rank's of a flat check, else the leader's or its node's
+    expect.passed(key, riding if native else None, red)
     return bool(nbytes)
+
+
+#: Times in a row one check must have followed another before it is expected after it.
+SURE = 2
+
+#: The tag of a rank whose call is the expected one, and of one whose call is not, per op:
+#: reduced over the ranks, the tag is the first only where every rank's call is the expected.
+_TAGS = {"sum": (0, 1), "avg": (0, 1), "prod": (1, 0), "min": (0, -1), "max": (0, 1)}
+_KEYS = 1024  # checks remembered per communicator
+
+
+class _Ride:
+    """An all-reduce of the library's that the check can ride in: the reduction, the vector
+    and tag in the rider's buffer (all of it, and the vector's part), and the tags."""
+
+    __slots__ = ("head", "message", "other", "red", "same")
+
+    def __init__(self, buffer: np.ndarray, n: int, red: Reduction) -> None:
+        self.message, self.head, self.red = buffer[: n + 1], buffer[:n], red
+        self.same, self.other = _TAGS[red.op]
+
+
+class Expected:
+    """Which agreed check followed which on a communicator whose ranks span nodes, and
+    so the check expected next where it rides in the MPI library's all-reduce (module
+    docstring). Every rank holds the same: it changes only with checks that all ranks
+    passed, or failed, together."""
+
+    __slots__ = ("after", "buffers", "hits", "last", "misses", "next", "others", "rides", "sure")
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.after: dict[Hashable, tuple[Hashable, int]] = {}  # a check -> the next one, times in a row
+        self.sure: dict[Hashable, Hashable] = {}  # a check -> the ride that followed it SURE times in a row
+        self.rides: dict[Hashable, _Ride] = {}  # the checks of the library's all-reduces
+        self.buffers: dict[np.dtype, np.ndarray] = {}  # per dtype, room for the longest ride
+        self.last: Hashable | None = None
+        self.next: _Ride | None = None  # expected next
+        self.hits = self.misses = 0
+        self.others = native.peers(comm)
+
+    def ride(self, comm: MPI.Comm, data: np.ndarray | None) -> bool:
+        """The expected all-reduce (:attr:`next`) with a tag after the vector: ``data``
+        where this rank's call is the expected one, else zeros and the other tag. True:
+        every rank's call was the expected one, and ``data`` holds the reduction; False:
+        some rank's was not, and no caller's buffer changed."""
+        ride = self.next
+        assert ride is not None
+        message, head = ride.message, ride.head
+        if data is None:
+            head.fill(0)
+            message[-1] = ride.other
+        else:
+            head[...] = data
+            message[-1] = ride.same
+        native.allreduce(message, comm, ride.red, self.others)
+        if data is None or message[-1] != ride.same:
+            return False
+        data[...] = head
+        return True
+
+    def hit(self, key: Hashable) -> None:
+        """Every rank's call was the expected one, ``key``."""
+        self.hits += 1
+        self.last = key
+        self.next = self.rides.get(self.sure.get(key))
+
+    def passed(self, key: Hashable, data: np.ndarray | None = None, red: Reduction | None = None) -> None:
+        """Every rank passed the full check ``key`` (``data``: the vector of an all-reduce
+        of the library's, whose shape a ride repeats)."""
+        if len(self.after) >= _KEYS:
+            self.after.clear()
+            self.sure.clear()
+            self.rides.clear()
+        if data is not None and key not in self.rides:
+            assert red is not None
+            room = self.buffers.get(data.dtype)
+            if room is None:
+                room = self.buffers[data.dtype] = np.empty(native.SHORT_LIMIT // data.itemsize, data.dtype)
+            self.rides[key] = _Ride(room, data.shape[0], red)
+        last = self.last
+        if last is not None:
+            follows = self.after.get(last)
+            times = 1 + (follows[1] if follows is not None and follows[0] == key else 0)
+            self.after[last] = (key, times)
+            if times >= SURE and key in self.rides:
+                self.sure[last] = key
+            else:
+                self.sure.pop(last, None)
+        self.last = key
+        self.next = self.rides.get(self.sure.get(key))
+
+    def failed(self) -> None:
+        """Every rank raised at a check: nothing is expected until checks pass again."""
+        self.last = self.next = None
+
+
+def expected(ctx: Context) -> Expected:
+    """The :class:`Expected` of ``ctx``'s communicator (local)."""
+    found = ctx.cache.get("validation-expected")
+    if found is None:
+        found = ctx.cache["validation-expected"] = Expected(ctx.comm)
+    return found
 
 
 class Nodes:

@@ -293,3 +293,103 @@ def test_the_check_across_nodes_of_several_ranks(hosts: str, n: int) -> None:
     raises the same error on every rank with every buffer untouched, no hang."""
     run = on_rank0_quietly(mpiexec, n, ["-c", ACROSS_NODES], hosts=hosts, timeout=240)
     assert run.returncode == 0 and "wrong results: 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+RIDES = """
+import numpy as np
+from mpi4py import MPI
+import collectives
+from collectives import ArgumentError, validation
+from collectives.kernels.native import SHORT_LIMIT
+from collectives.transport.context import context
+comm = MPI.COMM_WORLD
+r, n = comm.Get_rank(), comm.Get_size()
+expect = validation.expected(context(comm))
+wrong = []
+WANT = {"sum": n * (n + 1) // 2, "avg": (n + 1) / 2, "max": n, "min": 1, "prod": np.prod(np.arange(1, n + 1))}
+
+def exact(length, dtype="int64", op="sum"):
+    x = np.full(length, r + 1, dtype)
+    collectives.allreduce(x, op=op, collective="mpi")
+    if not (np.all(x == WANT[op]) and len(set(comm.allgather(x.tobytes()))) == 1):
+        wrong.append(f"{length} {dtype} {op}: {x[:3]}")
+
+def rode(calls, *shapes):
+    # the shapes' calls in turn, `calls` rounds; how many calls rode in the library's all-reduce
+    hits = expect.hits
+    for _ in range(calls):
+        for shape in shapes:
+            exact(*shape)
+    return expect.hits - hits
+
+def refused(x, words, call=None):
+    before = x.copy()
+    try:
+        call() if call else collectives.allreduce(x, collective="mpi")
+        wrong.append(f"no error for {words}")
+    except ArgumentError as e:
+        if not all(w in str(e) for w in words):
+            wrong.append(str(e))
+    if not np.array_equal(x, before):
+        wrong.append(f"buffer changed by a refused call {words}")
+
+longest = SHORT_LIMIT // 8 - 1  # int64: the longest vector that rides
+shapes = [(1,), (3,), (1000,), (longest,), (1000, "int32", "max"), (7, "int64", "min"),
+          (5, "float64", "prod"), (1001, "float32", "avg"), (9, "float32", "sum")]
+for shape in shapes:
+    rode(4, shape)  # learnt: the same call followed twice (after the call that built the plan)
+    if rode(4, shape) != 4:
+        wrong.append(f"{shape} did not ride")
+    rode(2, (0,))  # an empty vector moves no data: checked, never riding
+if rode(6, (longest + 1,)) != 0:
+    wrong.append("a vector above the short limit rode")
+rode(3, (10,), (20,), (10, "float64"))  # a cycle of three
+if rode(3, (10,), (20,), (10, "float64")) != 9:
+    wrong.append("a cycle of three did not ride")
+if comm.allreduce(expect.hits) != n * expect.hits:
+    wrong.append("ranks rode different calls")
+
+a = 1000
+for odd in sorted({0, 1, n - 1}):
+    cases = [
+        (np.ones(a + 1 if r == odd else a, np.int64), ["length differs", "no data moved"], None),
+        (np.ones(a, np.int32 if r == odd else np.int64), ["dtype differs"], None),
+        (np.ones(a, np.int64), ["op differs"],
+         lambda x: collectives.allreduce(x, op="max" if r == odd else "sum", collective="mpi")),
+        (np.ones(a, np.int64), ["collective differs"],
+         lambda x: collectives.allreduce(x, collective="ring" if r == odd else "mpi")),
+        (np.ones(a, np.int64), ["invalid arguments", f"rank(s) [{odd}]", "read-only"], "read-only"),
+        (np.ones(a, np.int64), [],
+         lambda x: collectives.broadcast(x) if r == odd else collectives.allreduce(x, collective="mpi")),
+    ]
+    for x, words, call in cases:
+        rode(3, (a,))
+        misses = expect.misses
+        if call == "read-only":
+            x.flags.writeable = r != odd
+            call = None
+        refused(x, words, call and (lambda: call(x)))
+        if expect.misses != misses + 1:
+            wrong.append(f"{words}: the ride did not miss")
+        if rode(4, (a,)) < 1:  # and riding again once learnt
+            wrong.append(f"{words}: no ride after the refusal")
+if wrong:
+    print(f"rank {r}:", *wrong[:5], sep="\\n  ")
+total = comm.allreduce(len(wrong))
+if r == 0:
+    print("wrong results:", total, "rides:", expect.hits)
+"""
+
+
+@pytest.mark.parametrize("hosts, n", [("a:2,b:2", 4), ("a:1,b:1,c:1", 3)])
+def test_the_check_rides_in_the_mpi_librarys_allreduce_where_the_call_is_expected(hosts: str, n: int) -> None:
+    """Across nodes (of several ranks, or one each), a short "mpi" all-reduce that repeats
+    the call expected after the last one (the same call twice in a row after it, a cycle of
+    three) carries the check in the library's own all-reduce, a tag after the vector: exact
+    results, bitwise the same on every rank, for every riding op and dtype, lengths 1 to the
+    short limit (not above it, nor empty ones, which move no data); and where one rank's
+    call is another (its length, dtype, op, collective, a broadcast, a read-only buffer), on
+    a leader or not, every rank raises, every buffer untouched, no hang, and the calls ride
+    again once learnt."""
+    run = on_rank0_quietly(mpiexec, n, ["-c", RIDES], hosts=hosts, timeout=240)
+    assert run.returncode == 0 and "wrong results: 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
