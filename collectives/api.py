@@ -556,17 +556,17 @@ def _plan_key(algorithm: str, layout: RanksPerNode, grid: tuple[int, int] | None
 def _rides_check(ctx: Context, name: str, run: Run, x: np.ndarray) -> bool:
     """Whether ``run`` (algorithm ``name``) can reduce the host vector ``x`` together with
     the check on a communicator whose ranks span nodes (:func:`collectives.validation.check`):
-    the MPI library's all-reduce below its short limit, in which the check rides where the
-    call was the expected one; up to the fused limit, in the check's messages, the
-    butterfly where the check is one recursive doubling over all ranks, the shared-memory
-    algorithm on the check's own nodes where it goes through them (collective on first
-    use of the communicator's segment and nodes: every rank binds at the same call)."""
+    up to the fused limit, the MPI library's all-reduce, in which the check rides where the
+    call was the expected one, and in the check's messages the butterfly where the check
+    is one recursive doubling over all ranks, the shared-memory algorithm on the check's
+    own nodes where it goes through them (collective on first use of the communicator's
+    segment and nodes: every rank binds at the same call)."""
     if shm.shared(ctx) is not None:
         return False
-    if isinstance(run, Native):
-        return x.nbytes + x.itemsize <= native.SHORT_LIMIT
     if x.nbytes > validation.FUSE_LIMIT:
         return False
+    if isinstance(run, Native):
+        return True
     split = validation.nodes(ctx)
     if split is None:
         return name == "butterfly"

@@ -172,8 +172,7 @@ def check(
             FIELDS[1:]).
         native: ``data`` goes through the MPI library's all-reduce on
             ``ctx.comm`` (the "mpi" plan): it is reduced here only where the
-            check rides in that all-reduce (:class:`Expected`), with fewer
-            than :data:`~collectives.kernels.native.SHORT_LIMIT` bytes.
+            check rides in that all-reduce (:class:`Expected`).
 
     Returns:
         True if ``data`` was given and now holds the reduction.
@@ -228,11 +227,12 @@ class _Ride:
     """An all-reduce of the library's that the check can ride in: the reduction, the vector
     and tag in the rider's buffer (all of it, and the vector's part), and the tags."""
 
-    __slots__ = ("head", "message", "other", "red", "same")
+    __slots__ = ("floats", "head", "message", "other", "red", "same")
 
     def __init__(self, buffer: np.ndarray, n: int, red: Reduction) -> None:
         self.message, self.head, self.red = buffer[: n + 1], buffer[:n], red
         self.same, self.other = _TAGS[red.op]
+        self.floats = buffer.dtype.kind == "f"  # whose NaNs are made alike
 
 
 class Expected:
@@ -267,9 +267,11 @@ class Expected:
         else:
             head[...] = data
             message[-1] = ride.same
-        native.allreduce(message, comm, ride.red, self.others)
+        native.library(message, comm, ride.red, self.others)
         if data is None or message[-1] != ride.same:
             return False
+        if ride.floats:
+            native.same_nans(head)
         data[...] = head
         return True
 
@@ -290,7 +292,7 @@ class Expected:
             assert red is not None
             room = self.buffers.get(data.dtype)
             if room is None:
-                room = self.buffers[data.dtype] = np.empty(native.SHORT_LIMIT // data.itemsize, data.dtype)
+                room = self.buffers[data.dtype] = np.empty(FUSE_LIMIT // data.itemsize + 1, data.dtype)
             self.rides[key] = _Ride(room, data.shape[0], red)
         last = self.last
         if last is not None:

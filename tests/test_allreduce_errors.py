@@ -300,7 +300,6 @@ import numpy as np
 from mpi4py import MPI
 import collectives
 from collectives import ArgumentError, validation
-from collectives.kernels.native import SHORT_LIMIT
 from collectives.transport.context import context
 comm = MPI.COMM_WORLD
 r, n = comm.Get_rank(), comm.Get_size()
@@ -308,10 +307,16 @@ expect = validation.expected(context(comm))
 wrong = []
 WANT = {"sum": n * (n + 1) // 2, "avg": (n + 1) / 2, "max": n, "min": 1, "prod": np.prod(np.arange(1, n + 1))}
 
-def exact(length, dtype="int64", op="sum"):
+def exact(length, dtype="int64", op="sum", nans=False):
     x = np.full(length, r + 1, dtype)
+    if nans:  # of another payload on each rank: the bits must come out alike
+        bits = (np.uint32, 0x7FC00001) if x.itemsize == 4 else (np.uint64, 0x7FF8000000000001)
+        x.view(bits[0])[::7] = bits[1] + r
     collectives.allreduce(x, op=op, collective="mpi")
-    if not (np.all(x == WANT[op]) and len(set(comm.allgather(x.tobytes()))) == 1):
+    want = np.full(length, WANT[op], dtype)
+    if nans:
+        want[::7] = np.nan
+    if not (np.array_equal(x, want, equal_nan=nans) and len(set(comm.allgather(x.tobytes()))) == 1):
         wrong.append(f"{length} {dtype} {op}: {x[:3]}")
 
 def rode(calls, *shapes):
@@ -333,9 +338,10 @@ def refused(x, words, call=None):
     if not np.array_equal(x, before):
         wrong.append(f"buffer changed by a refused call {words}")
 
-longest = SHORT_LIMIT // 8 - 1  # int64: the longest vector that rides
+longest = validation.FUSE_LIMIT // 8  # int64: the longest vector that rides
 shapes = [(1,), (3,), (1000,), (longest,), (1000, "int32", "max"), (7, "int64", "min"),
-          (5, "float64", "prod"), (1001, "float32", "avg"), (9, "float32", "sum")]
+          (5, "float64", "prod"), (1001, "float32", "avg"), (9, "float32", "sum"), (100, "float32", "sum", True),
+          (1, "float32", "sum", True), (3, "float64", "sum", True)]
 for shape in shapes:
     rode(4, shape)  # learnt: the same call followed twice (after the call that built the plan)
     if rode(4, shape) != 4:
@@ -386,10 +392,10 @@ def test_the_check_rides_in_the_mpi_librarys_allreduce_where_the_call_is_expecte
     """Across nodes (of several ranks, or one each), a short "mpi" all-reduce that repeats
     the call expected after the last one (the same call twice in a row after it, a cycle of
     three) carries the check in the library's own all-reduce, a tag after the vector: exact
-    results, bitwise the same on every rank, for every riding op and dtype, lengths 1 to the
-    short limit (not above it, nor empty ones, which move no data); and where one rank's
-    call is another (its length, dtype, op, collective, a broadcast, a read-only buffer), on
-    a leader or not, every rank raises, every buffer untouched, no hang, and the calls ride
-    again once learnt."""
+    results, bitwise the same on every rank (NaNs of other payloads too), for every riding op
+    and dtype, lengths 1 to the fused limit (not above it, nor empty ones, which move no
+    data); and where one rank's call is another (its length, dtype, op, collective, a
+    broadcast, a read-only buffer), on a leader or not, every rank raises, every buffer
+    untouched, no hang, and the calls ride again once learnt."""
     run = on_rank0_quietly(mpiexec, n, ["-c", RIDES], hosts=hosts, timeout=240)
     assert run.returncode == 0 and "wrong results: 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]

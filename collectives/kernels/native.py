@@ -91,6 +91,14 @@ def allreduce(x: Any, comm: MPI.Comm, red: Reduction, others: tuple[int, ...]) -
     ``others`` is :func:`peers` of ``comm`` (the plan keeps it: a call does not rebuild it)."""
     if not others:
         return
+    library(x, comm, red, others)
+    if red.dtype not in _INTEGERS and x.nbytes <= SHORT_LIMIT:
+        same_nans(x)
+
+
+def library(x: Any, comm: MPI.Comm, red: Reduction, others: tuple[int, ...]) -> None:
+    """``MPI_Allreduce`` of ``x`` in place across ``comm`` (``others``: :func:`peers`), as
+    the library computes it (NaN payloads may differ between ranks)."""
     p = len(others) + 1
     p2p.count_sent(2 * (p - 1) * x.nbytes // p, p2p.MPI_LIBRARY)
     spec, op = [x, DATATYPES[red.dtype]], _OPS[red.op]
@@ -102,7 +110,10 @@ def allreduce(x: Any, comm: MPI.Comm, red: Reduction, others: tuple[int, ...]) -
             comm.Allreduce(MPI.IN_PLACE, spec, op)
         finally:
             s.since = 0.0
-    if red.dtype not in _INTEGERS and x.nbytes <= SHORT_LIMIT:
-        square = x.dot(x)
-        if square != square:
-            x[x != x] = float("nan")
+
+
+def same_nans(x: Any) -> None:
+    """Make every NaN of the float array ``x`` the same quiet NaN (one pass where there is none)."""
+    square = x.dot(x)
+    if square != square:
+        x[x != x] = float("nan")

@@ -41,7 +41,7 @@ offset vanishes against the bandwidth terms. The
 cross-rank argument check is not: where it rides along (the shared-memory
 algorithm on one node; up to the fused limit across nodes, the butterfly
 where each node has one rank, else the shared-memory algorithm, and the
-MPI library's all-reduce below its short limit, in calls that repeat) it
+MPI library's all-reduce, in calls that repeat) it
 costs nothing, elsewhere one shared-memory barrier (alpha_shm) on one node
 or, across m nodes, ceil(lg m) header exchanges, and two shared-memory
 barriers where nodes hold several ranks (:func:`check_cost`).
@@ -67,7 +67,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from ..kernels import shm as _shm
-from ..kernels.native import SHORT_LIMIT
 from ..topology.hierarchy import Grid, default_grid
 from ..topology.layout import Layout
 from ..validation import FUSE_LIMIT
@@ -315,11 +314,11 @@ def check_rides(algorithm: str, nbytes: int, lay: Layout) -> bool:
     extra): the shared-memory algorithm on one node; across nodes small vectors of
     the butterfly where every node has one rank, else of the shared-memory
     algorithm (the check goes through the nodes, :mod:`collectives.validation`), and
-    short ones of the MPI library's all-reduce (where the call repeats as expected)."""
+    of the MPI library's all-reduce (where the call repeats as expected)."""
     if lay.nodes == 1:
         return algorithm == "shm"
     if algorithm == "mpi":
-        return nbytes < SHORT_LIMIT
+        return nbytes <= FUSE_LIMIT
     return algorithm == ("butterfly" if lay.nodes == len(lay.node_of) else "shm") and nbytes <= FUSE_LIMIT
 
 
