@@ -284,27 +284,41 @@ class Expected:
     def passed(self, key: Hashable, data: np.ndarray | None = None, red: Reduction | None = None) -> None:
         """Every rank passed the full check ``key`` (``data``: the vector of an all-reduce
         of the library's, whose shape a ride repeats)."""
+        last = self.last
+        follows = self.after.get(last)
+        if follows is None or follows[0] != key or follows[1] < SURE or (data is not None and key not in self.rides):
+            self._learn(last, follows, key, data, red)
+        self.last = key
+        self.next = self.rides.get(self.sure.get(key))
+
+    def _learn(
+        self,
+        last: Hashable | None,
+        follows: tuple[Hashable, int] | None,
+        key: Hashable,
+        data: np.ndarray | None,
+        red: Reduction | None,
+    ) -> None:
+        """Note that ``key`` followed ``last`` (``follows``: what did before), and the ride of ``data``."""
         if len(self.after) >= _KEYS:
             self.after.clear()
             self.sure.clear()
             self.rides.clear()
+            follows = None
         if data is not None and key not in self.rides:
             assert red is not None
             room = self.buffers.get(data.dtype)
             if room is None:
                 room = self.buffers[data.dtype] = np.empty(FUSE_LIMIT // data.itemsize + 1, data.dtype)
             self.rides[key] = _Ride(room, data.shape[0], red)
-        last = self.last
-        if last is not None:
-            follows = self.after.get(last)
-            times = 1 + (follows[1] if follows is not None and follows[0] == key else 0)
-            self.after[last] = (key, times)
-            if times >= SURE and key in self.rides:
-                self.sure[last] = key
-            else:
-                self.sure.pop(last, None)
-        self.last = key
-        self.next = self.rides.get(self.sure.get(key))
+        if last is None:
+            return
+        times = 1 + (follows[1] if follows is not None and follows[0] == key else 0)
+        self.after[last] = (key, times)
+        if times >= SURE and key in self.rides:
+            self.sure[last] = key
+        else:
+            self.sure.pop(last, None)
 
     def failed(self) -> None:
         """Every rank raised at a check: nothing is expected until checks pass again."""

@@ -111,6 +111,11 @@ def test_check_costs_nothing_where_it_rides_along() -> None:
     assert costmodel.check_cost("shm", FUSE_LIMIT, nodes, prm) == 0.0
     assert costmodel.check_cost("shm", FUSE_LIMIT + 1, nodes, prm) == pytest.approx(2 * header_exchange + 2 * A / 3)
     assert costmodel.check_cost("butterfly", 64, nodes, prm) == pytest.approx(2 * header_exchange + 2 * A / 3)
+    # across nodes, the MPI library's all-reduce carries it up to the fused limit (repeated calls)
+    for lay, bare in ((singles, 3 * header_exchange), (nodes, 2 * header_exchange + 2 * A / 3)):
+        assert costmodel.check_cost("mpi", FUSE_LIMIT, lay, prm) == 0.0
+        assert costmodel.check_cost("mpi", FUSE_LIMIT + 1, lay, prm) == pytest.approx(bare)
+    assert costmodel.check_cost("mpi", 64, node, prm) == pytest.approx(A / 3)
     ring = costmodel.predict("ring", N, node, prm)
     assert costmodel.predict("ring", N, node, prm, validate=True) == pytest.approx(ring + A / 3)
 
