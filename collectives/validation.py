@@ -186,13 +186,11 @@ def check(
     key = None if problem is not None else (what, tuple(signature), native)
     expect = expected(ctx)
     if expect.next is not None:
-        if expect.ride(ctx.comm, data if expect.rides.get(key) is expect.next else None):
+        if expect.ride(data if expect.rides.get(key) is expect.next else None):
             expect.hit(key)
             return True
         expect.misses += 1  # someone's call was another: the full check says whose
-    riding = data
-    if native:
-        data = None
+    rider, data = (data, None) if native else (None, data)  # the library's data, or the check's
     nbytes = 0 if data is None else data.nbytes
     if nbytes:
         assert red is not None, "data to reduce needs its reduction"
@@ -210,7 +208,7 @@ def check(
         _raise(ctx, what, problem, signature, names(), fields)
     if mine is not None:
         np.copyto(data, mine)  # the result: every rank's of a flat check, else the leader's or its node's
-    expect.passed(key, riding if native else None, red)
+    expect.passed(key, rider, red)
     return bool(nbytes)
 
 
@@ -241,7 +239,7 @@ class Expected:
     docstring). Every rank holds the same: it changes only with checks that all ranks
     passed, or failed, together."""
 
-    __slots__ = ("after", "buffers", "hits", "last", "misses", "next", "others", "rides", "sure")
+    __slots__ = ("after", "buffers", "comm", "hits", "last", "misses", "next", "others", "rides", "sure")
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.after: dict[Hashable, tuple[Hashable, int]] = {}  # a check -> the next one, times in a row
@@ -251,9 +249,9 @@ class Expected:
         self.last: Hashable | None = None
         self.next: _Ride | None = None  # expected next
         self.hits = self.misses = 0
-        self.others = native.peers(comm)
+        self.comm, self.others = comm, native.peers(comm)
 
-    def ride(self, comm: MPI.Comm, data: np.ndarray | None) -> bool:
+    def ride(self, data: np.ndarray | None) -> bool:
         """The expected all-reduce (:attr:`next`) with a tag after the vector: ``data``
         where this rank's call is the expected one, else zeros and the other tag. True:
         every rank's call was the expected one, and ``data`` holds the reduction; False:
@@ -267,7 +265,7 @@ class Expected:
         else:
             head[...] = data
             message[-1] = ride.same
-        native.library(message, comm, ride.red, self.others)
+        native.library(message, self.comm, ride.red, self.others)
         if data is None or message[-1] != ride.same:
             return False
         if ride.floats:
